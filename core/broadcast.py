@@ -1,0 +1,111 @@
+"""The copy path: central parameters mirrored on a replica device as flat buffers.
+
+GPU replicas (and, on request, logical CPU replicas) cannot alias the central storage, so
+each keeps a mirror: one flat buffer per dtype holding every tracked parameter, refreshed
+with a single coalesced copy when any parameter changed since the last step. The replica's
+leaves are views into that buffer; their gradients go back with one copy per dtype.
+
+From a CPU parameter device to a GPU the refresh goes through a pinned staging buffer and a
+non-blocking copy on the replica's current stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DeviceMirror"]
+
+
+class _Group:
+    """The tensors of one dtype and their flat mirror."""
+
+    def __init__(self, tensors: list, device: torch.device, param_device: torch.device):
+        self.tensors = tensors
+        self.numels = [t.numel() for t in tensors]
+        total = sum(self.numels)
+        dtype = tensors[0].dtype
+        self.flat = torch.empty(total, dtype=dtype, device=device)
+        self.staging = None
+        if device.type == "cuda" and param_device.type == "cpu":
+            self.staging = torch.empty(total, dtype=dtype, pin_memory=True)
+        self.leaves = []
+        offset = 0
+        for tensor, numel in zip(tensors, self.numels):
+            view = self.flat[offset:offset + numel].view(tensor.shape)
+            self.leaves.append(view.detach().requires_grad_(tensor.requires_grad))
+            offset += numel
+        self.stamp = None
+
+    def refresh(self) -> None:
+        stamp = [(t._version, t.data_ptr()) for t in self.tensors]
+        if stamp == self.stamp:
+            return
+        with torch.no_grad():
+            flat = [t.detach().reshape(-1) for t in self.tensors]
+            if self.staging is not None:
+                torch.cat(flat, out=self.staging)
+                self.flat.copy_(self.staging, non_blocking=True)
+            elif self.flat.device == self.tensors[0].device:
+                torch.cat(flat, out=self.flat)
+            else:
+                self.flat.copy_(torch.cat(flat))
+        self.stamp = stamp
+
+
+class DeviceMirror:
+    """Flat copies of a store's tracked tensors on one replica device."""
+
+    def __init__(self, device: torch.device, param_device: torch.device):
+        self.device = device
+        self.param_device = param_device
+        self._groups: list[_Group] = []
+        self._leaf_of: dict = {}
+        self._generation = -1
+
+    def refresh(self, store) -> None:
+        """Bring every leaf up to date with the central tensors (copies only what changed)."""
+        if store.generation != self._generation:
+            self._build(store.tensors())
+            self._generation = store.generation
+        for group in self._groups:
+            group.refresh()
+            for leaf in group.leaves:
+                leaf.grad = None
+
+    def _build(self, tensors: list) -> None:
+        by_dtype: dict = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        self._groups = [_Group(ts, self.device, self.param_device) for ts in by_dtype.values()]
+        self._leaf_of = {}
+        for group in self._groups:
+            for tensor, leaf in zip(group.tensors, group.leaves):
+                self._leaf_of[tensor] = leaf
+
+    def leaf(self, central: torch.Tensor) -> torch.Tensor:
+        leaf = self._leaf_of.get(central)
+        if leaf is None:
+            raise KeyError("csrun: a served tensor is not tracked by its strategy")
+        return leaf
+
+    def take_grads(self, served: dict) -> tuple[list, list]:
+        """Central tensors and their gradients (on the parameter device), one copy per dtype.
+
+        Only leaves that were served in the run and received a gradient take part.
+        """
+        centrals, grads = [], []
+        for group in self._groups:
+            pairs = [(t, leaf) for t, leaf in zip(group.tensors, group.leaves)
+                     if leaf.grad is not None and t in served]
+            if not pairs:
+                continue
+            flat = torch.cat([leaf.grad.reshape(-1) for _, leaf in pairs])
+            flat = flat.to(self.param_device)
+            offset = 0
+            for tensor, leaf in pairs:
+                numel = tensor.numel()
+                centrals.append(tensor)
+                grads.append(flat[offset:offset + numel].view(tensor.shape))
+                offset += numel
+                leaf.grad = None
+        return centrals, grads

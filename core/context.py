@@ -1,0 +1,193 @@
+"""Which strategy is current, and whether code runs in cross-replica or replica context.
+
+TF's model, kept as is:
+
+* outside any scope: the *default strategy* (one replica, no distribution);
+* inside ``strategy.scope()``: *cross-replica context* -- ``get_replica_context()`` is None;
+* inside a function given to ``strategy.run``: *replica context* -- ``get_replica_context()``
+  returns a :class:`ReplicaContext` for that replica;
+* inside ``merge_call``'s ``merge_fn``: cross-replica context again.
+
+The state is thread-local, as in TF: each replica thread sees its own replica context.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .strategy import Strategy
+
+__all__ = [
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "get_replica_context",
+    "get_cross_replica_context",
+    "ReplicaContext",
+    "cross_replica_required",
+]
+
+_tls = threading.local()
+
+
+class _Entry:
+    """One level of the context stack: a strategy and, in replica context, its replica."""
+
+    __slots__ = ("strategy", "replica", "serving")
+
+    def __init__(self, strategy, replica=None, serving=None):
+        self.strategy = strategy
+        self.replica = replica
+        self.serving = serving  # the replica's parameter view (see parameters.py)
+
+
+_BOTTOM = _Entry(None)
+
+
+def _stack() -> list:
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = [_BOTTOM]
+    return stack
+
+
+def current_entry() -> _Entry:
+    """The innermost context entry of this thread."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else _BOTTOM
+
+
+def push(entry: _Entry) -> None:
+    _stack().append(entry)
+    _tls.serving = entry.serving
+
+
+def pop(entry: _Entry) -> None:
+    stack = _stack()
+    if stack[-1] is not entry:  # pragma: no cover - guards misuse of the internals
+        raise RuntimeError("csrun context stack corrupted: scopes exited out of order")
+    stack.pop()
+    _tls.serving = stack[-1].serving
+
+
+def current_serving():
+    """The parameter view of the replica running on this thread, or None (hot path)."""
+    return getattr(_tls, "serving", None)
+
+
+def get_strategy() -> "Strategy":
+    """The current strategy: the one whose scope or run we are in, else the default one."""
+    strategy = current_entry().strategy
+    if strategy is None:
+        from .strategy import default_strategy
+        return default_strategy()
+    return strategy
+
+
+def has_strategy() -> bool:
+    """True inside a (non-default) strategy's scope or run."""
+    return current_entry().strategy is not None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's scope but not inside one of its replicas."""
+    entry = current_entry()
+    return entry.strategy is not None and entry.replica is None
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """The replica context, None in cross-replica context, or the default replica context."""
+    entry = current_entry()
+    if entry.strategy is None:
+        from .strategy import default_strategy
+        return default_strategy()._default_replica_context
+    return entry.replica
+
+
+def get_cross_replica_context() -> "Strategy | None":
+    """The strategy when in cross-replica context, else None (TF's internal helper)."""
+    entry = current_entry()
+    return entry.strategy if entry.strategy is not None and entry.replica is None else None
+
+
+def cross_replica_required(method: str) -> None:
+    """Raise TF's error when a cross-replica method is called inside a replica."""
+    if current_entry().replica is not None:
+        raise RuntimeError(
+            f"{method} requires being in cross-replica context (it was called inside "
+            "strategy.run); use get_replica_context().merge_call() to get there"
+        )
+
+
+class ReplicaContext:
+    """What a function running under ``strategy.run`` knows and can do as one replica.
+
+    Attributes:
+      strategy: the strategy running this replica.
+      replica_id_in_sync_group: this replica's index, ``0 .. num_replicas_in_sync - 1``.
+      num_replicas_in_sync: how many replicas run in step.
+
+    Example::
+
+        def step(x):
+            ctx = csrun.core.get_replica_context()
+            total = ctx.all_reduce("SUM", x.sum())   # same value on every replica
+            return total / ctx.num_replicas_in_sync
+    """
+
+    def __init__(self, strategy, replica_id: int, run=None):
+        self.strategy = strategy
+        self._replica_id = replica_id
+        self._run = run  # the ReplicaRun that synchronizes replicas; None: default context
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The canonical name of this replica's device, as a 1-tuple (TF's form)."""
+        return (self.strategy.extended.worker_devices[self._replica_id],)
+
+    @property
+    def device(self):
+        """The :class:`torch.device` that holds this replica's tensors."""
+        return self.strategy.extended._compute[self._replica_id].torch_device
+
+    def all_reduce(self, reduce_op: Any, value: Any) -> Any:
+        """Reduce ``value`` (a nest of tensors) over all replicas; each gets the result.
+
+        Differentiable: the gradient flows back to every replica's input.
+        """
+        from .reduce import ReduceOp
+        op = ReduceOp.resolve(reduce_op)
+        if self._run is None:
+            return value
+        return self._run.collectives.all_reduce(self._replica_id, op, value)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenate ``value`` (a nest of tensors) of every replica along ``axis``."""
+        if self._run is None:
+            return value
+        return self._run.collectives.all_gather(self._replica_id, value, axis)
+
+    def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: dict | None = None):
+        """Call ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        Every replica must call ``merge_call``; ``merge_fn`` receives each argument as a
+        PerReplica (or the plain value when every replica passed the same object). What it
+        returns goes back to every replica (a PerReplica: each replica its component).
+        """
+        if self._run is None:
+            return merge_fn(self.strategy, *args, **(kwargs or {}))
+        return self._run.collectives.merge_call(self._replica_id, merge_fn, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

@@ -1,0 +1,163 @@
+"""Collectives between the replicas of one ``run``: all_reduce, all_gather, merge_call.
+
+Each collective is a rendezvous of :class:`~csrun.core.replica_run.ReplicaRun`: every
+replica hands in its value, the last one to arrive combines them on the parameter device,
+and each replica receives its own copy on its own device. ``all_reduce`` and
+``all_gather`` are differentiable: their backward pass is itself a collective, so every
+replica that calls ``backward`` must do so (as with ``torch.distributed``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import context
+from .reduce import ReduceOp, gather_values, reduce_values
+from .values import flatten, map_structure, regroup, select_replica
+
+__all__ = ["Collectives"]
+
+
+def _rebuild_like(value: Any, leaves: list) -> Any:
+    it = iter(leaves)
+    return map_structure(lambda _: next(it), value)
+
+
+def _check_tensors(kind: str, leaves: list) -> None:
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(
+                f"{kind} takes tensors (or nests of tensors), got {type(leaf).__name__} "
+                f"{leaf!r}; wrap Python numbers with torch.tensor(...)"
+            )
+
+
+class Collectives:
+    """The collectives of one run, bound to its rendezvous and the strategy's devices."""
+
+    def __init__(self, run, strategy):
+        self._run = run
+        self._strategy = strategy
+        extended = strategy.extended
+        self._reduce_device = extended._parameter.torch_device
+        self._devices = [d.torch_device for d in extended._compute]
+
+    # -- helpers -------------------------------------------------------------------------
+    def _spread(self, result: torch.Tensor) -> list:
+        """One copy of ``result`` per replica, each on its replica's device."""
+        copies, seen = [], set()
+        for device in self._devices:
+            copy = result.to(device)
+            if id(copy) in seen:  # same physical device: give each replica its own tensor
+                copy = copy.clone()
+            seen.add(id(copy))
+            copies.append(copy)
+        return copies
+
+    def _combine(self, kind: str, payloads: list, combine: Callable[[list], torch.Tensor]):
+        counts = {len(p) for p in payloads}
+        if len(counts) > 1:
+            raise ValueError(f"{kind}: replicas passed nests with different numbers of "
+                             f"tensors ({[len(p) for p in payloads]})")
+        per_replica = [[] for _ in payloads]
+        for position in range(len(payloads[0])):
+            combined = combine([p[position] for p in payloads])
+            for replica_id, copy in enumerate(self._spread(combined)):
+                per_replica[replica_id].append(copy)
+        return per_replica
+
+    # -- all_reduce ----------------------------------------------------------------------
+    def reduce_tensors(self, replica_id: int, op: ReduceOp, tensors: list, kind: str) -> list:
+        def merge(payloads):
+            return self._combine(kind, payloads, lambda values: reduce_values(
+                op, values, None, self._reduce_device))
+        with torch.no_grad():
+            return self._run.sync(replica_id, kind, tensors, merge)
+
+    def all_reduce(self, replica_id: int, op: ReduceOp, value: Any) -> Any:
+        leaves = flatten(value)
+        _check_tensors("all_reduce", leaves)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+            reduced = _AllReduce.apply(self, replica_id, op, *leaves)
+        else:
+            reduced = self.reduce_tensors(replica_id, op, leaves, "all_reduce")
+        return _rebuild_like(value, list(reduced))
+
+    # -- all_gather ----------------------------------------------------------------------
+    def gather_tensors(self, replica_id: int, tensors: list, axis: int) -> tuple[list, list]:
+        """Gathered tensors for this replica, and where its own block starts in each."""
+        def merge(payloads):
+            gathered = self._combine("all_gather", payloads, lambda values: gather_values(
+                values, axis, self._reduce_device))
+            offsets = [[sum(p[pos].shape[axis] for p in payloads[:r])
+                        for pos in range(len(payloads[0]))] for r in range(len(payloads))]
+            return list(zip(gathered, offsets))
+        with torch.no_grad():
+            return self._run.sync(replica_id, "all_gather", tensors, merge)
+
+    def all_gather(self, replica_id: int, value: Any, axis: int) -> Any:
+        leaves = flatten(value)
+        _check_tensors("all_gather", leaves)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+            gathered = _AllGather.apply(self, replica_id, axis, *leaves)
+        else:
+            gathered = self.gather_tensors(replica_id, leaves, axis)[0]
+        return _rebuild_like(value, list(gathered))
+
+    # -- merge_call ----------------------------------------------------------------------
+    def merge_call(self, replica_id: int, merge_fn: Callable, args: tuple, kwargs: dict):
+        strategy = self._strategy
+
+        def merge(payloads):
+            merged_args = regroup([p[0] for p in payloads])
+            merged_kwargs = regroup([p[1] for p in payloads])
+            entry = context._Entry(strategy)
+            context.push(entry)
+            try:
+                result = merge_fn(strategy, *merged_args, **merged_kwargs)
+            finally:
+                context.pop(entry)
+            return [select_replica(r, result) for r in range(len(payloads))]
+
+        return self._run.sync(replica_id, "merge_call", (tuple(args), dict(kwargs)), merge)
+
+    def custom(self, replica_id: int, kind: str, payload: Any,
+               merge: Callable[[list], list]) -> Any:
+        """A rendezvous with a caller-defined merge (variable updates use it)."""
+        return self._run.sync(replica_id, kind, payload, merge)
+
+
+class _AllReduce(torch.autograd.Function):
+    """all_reduce whose gradient is the same all_reduce of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, collectives, replica_id, op, *tensors):
+        ctx.collectives, ctx.replica_id, ctx.op = collectives, replica_id, op
+        return tuple(collectives.reduce_tensors(replica_id, op, list(tensors), "all_reduce"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = ctx.collectives.reduce_tensors(
+            ctx.replica_id, ctx.op, list(grads), "all_reduce (backward)")
+        return (None, None, None, *reduced)
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather whose gradient is this replica's slice of the summed gradients."""
+
+    @staticmethod
+    def forward(ctx, collectives, replica_id, axis, *tensors):
+        ctx.collectives, ctx.replica_id, ctx.axis = collectives, replica_id, axis
+        ctx.sizes = [t.shape[axis] for t in tensors]
+        gathered, ctx.offsets = collectives.gather_tensors(replica_id, list(tensors), axis)
+        return tuple(gathered)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        summed = ctx.collectives.reduce_tensors(
+            ctx.replica_id, ReduceOp.SUM, list(grads), "all_gather (backward)")
+        pieces = [g.narrow(ctx.axis, off, size)
+                  for g, off, size in zip(summed, ctx.offsets, ctx.sizes)]
+        return (None, None, None, *pieces)

@@ -1,0 +1,566 @@
+"""Distributed input: global batches split across replicas and prefetched to their devices.
+
+``experimental_distribute_dataset`` takes any iterable of *global* batches -- a tensor or a
+nest (tuple/list/dict) of tensors per step, e.g. a ``torch.utils.data.DataLoader``. Each
+batch of ``n`` examples is split as TF splits it: ``ceil(n / R)`` consecutive examples per
+replica in replica order, so trailing replicas can be empty (size 0 along the batch
+dimension, right trailing shape). A background thread reads ahead and copies each
+component onto its replica's device (from pinned memory, non-blocking, for GPUs) into a
+bounded buffer.
+
+``distribute_datasets_from_function`` calls ``dataset_fn(InputContext)`` and deals whole
+*per-replica* batches to the replicas in turn; an incomplete last round is dropped, as TF
+drops it, but with a warning that says what was dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+import queue
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .values import PerReplica, flatten, map_structure, regroup
+
+__all__ = [
+    "InputOptions",
+    "InputReplicationMode",
+    "InputContext",
+    "ValueContext",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "TensorSpec",
+    "PerReplicaSpec",
+    "TensorSliceDataset",
+    "split_batch",
+    "Feeder",
+    "UNKNOWN_CARDINALITY",
+]
+
+UNKNOWN_CARDINALITY = -2
+
+
+class InputReplicationMode(enum.Enum):
+    """How ``dataset_fn`` is replicated: once per worker (default) or once per replica."""
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+@dataclasses.dataclass
+class InputOptions:
+    """TF's ``tf.distribute.InputOptions``.
+
+    Attributes:
+      experimental_fetch_to_device: copy components onto their replica's device (True) or
+        leave them on the host CPU (False).
+      experimental_replication_mode: ``PER_WORKER`` or ``PER_REPLICA`` (the latter only for
+        ``distribute_datasets_from_function``).
+      experimental_place_dataset_on_device: TF's flag for building the pipeline on the
+        device; accepted with TF's consistency rule, no effect in PyTorch.
+      experimental_per_replica_buffer_size: how many steps the background thread reads ahead.
+    """
+
+    experimental_fetch_to_device: bool = True
+    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 1
+
+    def __post_init__(self):
+        mode = self.experimental_replication_mode
+        if isinstance(mode, str):
+            try:
+                mode = InputReplicationMode[mode.upper()]
+            except KeyError:
+                raise ValueError(f"experimental_replication_mode must be PER_WORKER or "
+                                 f"PER_REPLICA, got {mode!r}") from None
+        if not isinstance(mode, InputReplicationMode):
+            raise TypeError(f"experimental_replication_mode must be an InputReplicationMode, "
+                            f"got {mode!r}")
+        self.experimental_replication_mode = mode
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"experimental_per_replica_buffer_size must be a positive int, "
+                             f"got {size!r}")
+        if (self.experimental_place_dataset_on_device and self.experimental_fetch_to_device
+                and mode is InputReplicationMode.PER_WORKER):
+            raise ValueError("experimental_place_dataset_on_device=True needs "
+                             "experimental_fetch_to_device=False or PER_REPLICA mode (TF's rule)")
+
+
+class InputContext:
+    """What ``dataset_fn`` knows about where its dataset is consumed.
+
+    Attributes:
+      num_input_pipelines: how many times ``dataset_fn`` is called (pipelines).
+      input_pipeline_id: which pipeline this call builds.
+      num_replicas_in_sync: how many replicas consume batches each step.
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size / num_replicas_in_sync``; it must divide evenly."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(f"The `global_batch_size` {global_batch_size} is not divisible by "
+                             f"`num_replicas_in_sync` {self.num_replicas_in_sync}")
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __str__(self) -> str:
+        return (f"csrun.core.InputContext(input pipeline id {self.input_pipeline_id}, "
+                f"total: {self.num_input_pipelines})")
+
+    __repr__ = __str__
+
+
+class ValueContext:
+    """What ``value_fn`` of ``experimental_distribute_values_from_function`` knows."""
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __str__(self) -> str:
+        return (f"csrun.core.ValueContext(replica id {self.replica_id_in_sync_group}, "
+                f"total replicas in sync: {self.num_replicas_in_sync})")
+
+    __repr__ = __str__
+
+
+TensorSpec = collections.namedtuple("TensorSpec", ["shape", "dtype"])
+
+
+class PerReplicaSpec(tuple):
+    """The spec of a PerReplica: one TensorSpec per replica."""
+
+    def __repr__(self) -> str:
+        return f"PerReplicaSpec{tuple.__repr__(self)}"
+
+
+# -- splitting --------------------------------------------------------------------------
+def _leaf_tensor(leaf: Any) -> torch.Tensor:
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return torch.as_tensor(leaf)
+    raise TypeError(
+        f"a batch must hold tensors (or numpy arrays), got a {type(leaf).__name__} leaf "
+        f"({leaf!r:.60}); convert it in the dataset or collate function")
+
+
+def split_batch(batch: Any, num_replicas: int) -> list:
+    """Split one global batch into ``num_replicas`` consecutive slices (TF's rule)."""
+    leaves = [_leaf_tensor(x) for x in flatten(batch)]
+    if num_replicas == 1:
+        it = iter(leaves)
+        return [map_structure(lambda _: next(it), batch)]
+    sizes = set()
+    for leaf in leaves:
+        if leaf.dim() == 0:
+            raise ValueError(
+                "the dataset yields unbatched (0-d) elements, which cannot be split across "
+                f"{num_replicas} replicas; give experimental_distribute_dataset global "
+                "batches (e.g. a DataLoader with batch_size=...)")
+        sizes.add(leaf.shape[0])
+    if len(sizes) > 1:
+        raise ValueError(f"the tensors of one batch have different batch sizes {sorted(sizes)}; "
+                         "every tensor of a batch needs the same leading dimension")
+    n = sizes.pop() if sizes else 0
+    per = math.ceil(n / num_replicas)
+    pieces = [[leaf[r * per:(r + 1) * per] for leaf in leaves] for r in range(num_replicas)]
+    out = []
+    for piece in pieces:
+        it = iter(piece)
+        out.append(map_structure(lambda _: next(it), batch))
+    return out
+
+
+# -- prefetching ------------------------------------------------------------------------
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _Warning:
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _Exhausted(StopIteration):
+    """The source ended; ``warning`` says what was dropped, if anything."""
+
+    def __init__(self, warning: str | None = None):
+        super().__init__()
+        self.warning = warning
+
+
+class _Prefetcher:
+    """A thread that turns source items into per-step values ahead of the consumer."""
+
+    def __init__(self, source: Iterator, produce: Callable[[Iterator], Any], buffer_size: int):
+        self.queue: queue.Queue = queue.Queue(maxsize=buffer_size)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(source, produce),
+                                       name="csrun-prefetch", daemon=True)
+        self.thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _loop(self, source: Iterator, produce: Callable[[Iterator], Any]) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    item = produce(source)
+                except StopIteration as stop:
+                    if getattr(stop, "warning", None):
+                        self._put(_Warning(stop.warning))
+                    break
+                if not self._put(item):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put(_Failure(exc))
+            return
+        finally:
+            source = None
+        self._put(_END)
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self.queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.queue.empty():
+                    return _END
+
+    def close(self) -> None:
+        self.stop.set()
+        try:
+            while True:
+                self.queue.get_nowait()
+        except queue.Empty:
+            pass
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
+
+
+class Feeder:
+    """Moves each replica's share of a step onto its device; regroups it for the consumer.
+
+    ``place`` runs on the prefetch thread, ``finish`` on the consumer's thread.
+    """
+
+    def __init__(self, devices: list, fetch_to_device: bool, streams: list | None = None):
+        self._devices = [d.torch_device for d in devices]
+        self._fetch = fetch_to_device
+        self._streams = streams  # the replicas' CUDA streams (None: no GPU replica)
+        self._copy_streams = {}
+
+    def place(self, per_replica: list) -> tuple[list, list]:
+        if not self._fetch:
+            return per_replica, []
+        placed, events = [], []
+        for replica_id, (nest, device) in enumerate(zip(per_replica, self._devices)):
+            if device.type == "cuda":
+                nest, event = self._to_gpu(nest, device)
+                events.append((replica_id, event, nest))
+            placed.append(nest)
+        return placed, events
+
+    def _to_gpu(self, nest: Any, device: torch.device):
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            moved = map_structure(
+                lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+                if t.device.type == "cpu" else t.to(device, non_blocking=True), nest)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return moved, event
+
+    def finish(self, item: tuple[list, list]) -> Any:
+        nests, events = item
+        for replica_id, event, nest in events:
+            stream = (self._streams[replica_id] if self._streams
+                      else torch.cuda.current_stream(self._devices[replica_id]))
+            stream.wait_event(event)
+            for tensor in flatten(nest):
+                tensor.record_stream(stream)
+        if len(nests) == 1:
+            return nests[0]
+        return regroup(nests, collapse_identical=False)
+
+
+class Optional_:
+    """TF's ``tf.experimental.Optional`` for ``get_next_as_optional``."""
+
+    def __init__(self, value: Any = None, has_value: bool = False):
+        self._value, self._has_value = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self) -> Any:
+        if not self._has_value:
+            raise ValueError("the Optional has no value (the iterator is exhausted)")
+        return self._value
+
+
+class DistributedIterator:
+    """Iterates a distributed dataset: one PerReplica nest (plain with 1 replica) per step."""
+
+    def __init__(self, source: Iterator, produce: Callable[[Iterator], Any], buffer_size: int,
+                 finish: Callable[[Any], Any]):
+        self._prefetcher = _Prefetcher(source, produce, buffer_size)
+        self._finish = finish
+        self._done = False
+        weakref.finalize(self, _Prefetcher.close, self._prefetcher)
+
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        item = self._prefetcher.get()
+        while isinstance(item, _Warning):
+            warnings.warn(item.message, UserWarning, stacklevel=2)
+            item = self._prefetcher.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._done = True
+            raise item.exc
+        return self._finish(item)
+
+    def get_next(self) -> Any:
+        """The next element; raises StopIteration (TF: OutOfRangeError) at the end."""
+        return next(self)
+
+    def get_next_as_optional(self) -> Optional_:
+        """The next element as an Optional that is empty at the end."""
+        try:
+            return Optional_(next(self), True)
+        except StopIteration:
+            return Optional_()
+
+    def close(self) -> None:
+        """Stop the background reader now (it also stops when the iterator is collected)."""
+        self._done = True
+        self._prefetcher.close()
+
+
+class _DistributedBase:
+    """What both kinds of distributed dataset share: iteration, spec, cardinality."""
+
+    def __init__(self, strategy, options: InputOptions | None):
+        self._strategy = strategy
+        self._options = options if options is not None else InputOptions()
+        if not isinstance(self._options, InputOptions):
+            raise TypeError(f"options must be an InputOptions, got {type(options).__name__}")
+        self._element_spec = None
+
+    @property
+    def _num_replicas(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    def __iter__(self) -> DistributedIterator:
+        feeder = self._strategy.extended._input_feeder(self._options)
+        return DistributedIterator(self._source_iterator(), self._producer(feeder),
+                                   self._options.experimental_per_replica_buffer_size,
+                                   feeder.finish)
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of an element: TensorSpecs, wrapped in PerReplicaSpec for R > 1.
+
+        Computed from the first element of a fresh pass over the data.
+        """
+        if self._element_spec is None:
+            iterator = iter(self)
+            try:
+                first = next(iterator)
+            except StopIteration:
+                raise ValueError("the dataset is empty, so its element_spec is unknown") \
+                    from None
+            finally:
+                iterator.close()
+            self._element_spec = map_structure(_spec_of, first)
+        return self._element_spec
+
+    def __len__(self) -> int:
+        raise TypeError(f"object of type {type(self).__name__!r} has no len(); use "
+                        ".cardinality")
+
+
+def _spec_of(value: Any) -> Any:
+    if isinstance(value, PerReplica):
+        return PerReplicaSpec(_spec_of(v) for v in value.values)
+    if isinstance(value, torch.Tensor):
+        return TensorSpec((None,) + tuple(value.shape[1:]) if value.dim() else (), value.dtype)
+    return type(value)
+
+
+def _check_iterable(value: Any, what: str) -> Any:
+    if isinstance(value, (torch.Tensor, np.ndarray)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{what} must be an iterable of batches (a DataLoader, a list of tensors, a "
+            f"generator, ...), got {type(value).__name__}")
+    return value
+
+
+class DistributedDataset(_DistributedBase):
+    """The result of ``experimental_distribute_dataset``: re-iterable, one step per batch."""
+
+    def __init__(self, strategy, dataset: Iterable, options: InputOptions | None = None):
+        super().__init__(strategy, options)
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise ValueError("InputReplicationMode.PER_REPLICA works with "
+                             "distribute_datasets_from_function, not experimental_"
+                             "distribute_dataset")
+        self._dataset = _check_iterable(dataset, "the dataset")
+
+    def _source_iterator(self) -> Iterator:
+        return iter(self._dataset)
+
+    def _producer(self, feeder) -> Callable[[Iterator], Any]:
+        num_replicas = self._num_replicas
+
+        def produce(source: Iterator) -> Any:
+            return feeder.place(split_batch(next(source), num_replicas))
+        return produce
+
+    @property
+    def cardinality(self) -> int:
+        """The number of steps when the source has a length, else -2 (unknown)."""
+        try:
+            return len(self._dataset)
+        except TypeError:
+            return UNKNOWN_CARDINALITY
+
+
+class DistributedDatasetsFromFunction(_DistributedBase):
+    """The result of ``distribute_datasets_from_function``."""
+
+    def __init__(self, strategy, dataset_fn: Callable, options: InputOptions | None = None):
+        super().__init__(strategy, options)
+        if not callable(dataset_fn):
+            raise TypeError(f"dataset_fn must be callable, got {type(dataset_fn).__name__}")
+        self._dataset_fn = dataset_fn
+        self._per_replica = (self._options.experimental_replication_mode
+                             is InputReplicationMode.PER_REPLICA)
+
+    def _datasets(self) -> list:
+        r = self._num_replicas
+        if self._per_replica:
+            contexts = [InputContext(r, i, r) for i in range(r)]
+        else:
+            contexts = [InputContext(1, 0, r)]
+        return [_check_iterable(self._dataset_fn(ctx), "dataset_fn's result") for ctx in contexts]
+
+    def _source_iterator(self) -> Iterator:
+        return [iter(d) for d in self._datasets()]
+
+    def _producer(self, feeder) -> Callable[[Iterator], Any]:
+        num_replicas = self._num_replicas
+        per_replica = self._per_replica
+
+        def produce(sources: list) -> Any:
+            if per_replica:
+                batches = _take_lockstep(sources)
+            else:
+                batches = _take_round(sources[0], num_replicas)
+            for batch in batches:
+                for leaf in flatten(batch):
+                    _leaf_tensor(leaf)
+            return feeder.place(batches)
+        return produce
+
+    @property
+    def cardinality(self) -> int:
+        if self._per_replica:
+            return UNKNOWN_CARDINALITY
+        try:
+            return len(self._datasets()[0]) // self._num_replicas
+        except TypeError:
+            return UNKNOWN_CARDINALITY
+
+
+def _examples(batch: Any) -> int:
+    leaves = flatten(batch)
+    first = leaves[0] if leaves else None
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+def _take_round(source: Iterator, num_replicas: int) -> list:
+    batches = []
+    for _ in range(num_replicas):
+        try:
+            batches.append(next(source))
+        except StopIteration:
+            if not batches:
+                raise _Exhausted() from None
+            dropped = sum(_examples(b) for b in batches)
+            raise _Exhausted(
+                f"distribute_datasets_from_function: the last round had {len(batches)} "
+                f"batch(es) for {num_replicas} replicas; dropped them ({dropped} examples), "
+                "as TF does. Make the number of batches a multiple of the replica count "
+                "(e.g. drop_last or repeat) to use every example.") from None
+    return batches
+
+
+def _take_lockstep(sources: list) -> list:
+    batches = []
+    for replica_id, source in enumerate(sources):
+        try:
+            batches.append(next(source))
+        except StopIteration:
+            if not batches:
+                raise _Exhausted() from None
+            raise _Exhausted(
+                f"distribute_datasets_from_function (PER_REPLICA): replica {replica_id}'s "
+                f"dataset ended first; dropped the {len(batches)} batch(es) the other "
+                "replicas had for that step.") from None
+    return batches
+
+
+class TensorSliceDataset(torch.utils.data.Dataset):
+    """A map-style dataset over the first dimension of a nest of arrays (TF's
+    ``from_tensor_slices``; the result of ``experimental_make_numpy_dataset``)."""
+
+    def __init__(self, nest: Any):
+        self._nest = map_structure(lambda a: torch.as_tensor(np.asarray(a)), nest)
+        lengths = {t.shape[0] if t.dim() else None for t in flatten(self._nest)}
+        if None in lengths or len(lengths) != 1:
+            raise ValueError("every array needs the same leading dimension to be sliced")
+        self._length = lengths.pop()
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        return map_structure(lambda t: t[index], self._nest)

@@ -1,0 +1,442 @@
+"""Central storage: parameters live once on the parameter device; replicas get views.
+
+**Placement.** While a strategy's scope is active, torch's global registration hooks put
+every parameter and buffer a module registers on the parameter device, whatever device the
+code asked for, and swap the module's ``_parameters``/``_buffers`` dicts for
+:class:`ServedDict`. Optimizer state is created next to its parameter, so it lands there too.
+
+**Serving.** Inside a replica, reading ``module.weight`` (through ``ServedDict``) returns
+that replica's *leaf* for the central parameter:
+
+* same physical device as the parameter device: a detached alias sharing its storage
+  (no copy; one per replica, so each replica's backward fills its own ``.grad``);
+* another device (a GPU replica, or any replica when ``copy_parameters=True``): a view
+  into a flat buffer on the replica's device, refreshed with one coalesced copy per dtype
+  per step when the parameters changed.
+
+**Gradients.** When the replicas have finished, each replica's leaf gradients are moved to
+the parameter device (one coalesced copy per replica device) and added to the central
+``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
+backward through ``run``'s outputs in cross-replica context) are collected before the next
+``optimizer.step()`` or ``run``.
+
+**Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
+copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
+(default MEAN for floating buffers, ONLY_FIRST_REPLICA for integer ones).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as optim_module
+
+from . import context
+from .variables import VariableAggregation
+
+__all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
+           "get_aggregation", "install_hooks"]
+
+
+class ServedDict(dict):
+    """A module's ``_parameters`` or ``_buffers``: central values, replica views on read.
+
+    Outside replicas it behaves exactly like the dict it replaced.
+    """
+
+    __slots__ = ("_store", "_module", "_kind")
+
+    def __init__(self, items: dict, store: "ParameterStore", module: torch.nn.Module, kind: str):
+        super().__init__(items)
+        self._store = store
+        self._module = weakref.ref(module)
+        self._kind = kind  # "parameter" or "buffer"
+
+    def __getitem__(self, name: str):
+        value = dict.__getitem__(self, name)
+        serving = context.current_serving()
+        if serving is None or value is None or serving.store is not self._store:
+            return value
+        return serving.serve(self, name, value)
+
+    def get(self, name, default=None):
+        return self[name] if dict.__contains__(self, name) else default
+
+    def items(self):
+        if context.current_serving() is None:
+            return dict.items(self)
+        return [(name, self[name]) for name in dict.keys(self)]
+
+    def values(self):
+        if context.current_serving() is None:
+            return dict.values(self)
+        return [self[name] for name in dict.keys(self)]
+
+    def __setitem__(self, name: str, value) -> None:
+        serving = context.current_serving()
+        if serving is not None and serving.store is self._store:
+            serving.assign(self, name, value)
+        else:
+            dict.__setitem__(self, name, value)
+            if self._kind == "parameter" and value is not None:
+                self._store.register_tensor(value)
+
+    def __reduce_ex__(self, protocol):  # pickle/deepcopy as the plain dict it stands for
+        return (dict, (dict(dict.items(self)),))
+
+    def path(self, name: str) -> str:
+        module = self._module()
+        label = type(module).__name__ if module is not None else "module"
+        return f"{label}.{name}"
+
+
+# -- aggregation of buffers -------------------------------------------------------------
+_aggregations: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def set_aggregation(module: torch.nn.Module, buffer_name: str, aggregation: Any) -> None:
+    """Choose how replicas' writes to ``module.<buffer_name>`` are combined.
+
+    Example: ``set_aggregation(model.counter_owner, "seen", "SUM")``.
+    """
+    if buffer_name not in module._buffers:
+        raise KeyError(f"{type(module).__name__} has no buffer {buffer_name!r}; "
+                       f"its buffers are {list(module._buffers)}")
+    _aggregations.setdefault(module, {})[buffer_name] = VariableAggregation.resolve(aggregation)
+
+
+def get_aggregation(module: torch.nn.Module | None, buffer_name: str,
+                    tensor: torch.Tensor) -> VariableAggregation:
+    """The aggregation of a buffer: the one set, else MEAN (floating) / ONLY_FIRST (other)."""
+    if module is not None:
+        chosen = _aggregations.get(module, {}).get(buffer_name)
+        if chosen is not None:
+            return chosen
+    if tensor.is_floating_point() or tensor.is_complex():
+        return VariableAggregation.MEAN
+    return VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def _aggregate(central: torch.Tensor, copies: list, aggregation: VariableAggregation,
+               path: str) -> torch.Tensor:
+    """Combine the written replica copies of a buffer (``copies[r]`` or None)."""
+    written = [c for c in copies if c is not None]
+    if aggregation is VariableAggregation.NONE:
+        raise ValueError(
+            f"buffer {path} was written inside replicas but its aggregation is NONE; choose "
+            "one with csrun.core.set_aggregation(module, name, 'MEAN'|'SUM'|"
+            "'ONLY_FIRST_REPLICA')")
+    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        return copies[0] if copies[0] is not None else central
+    device = central.device
+    if aggregation is VariableAggregation.SUM:
+        total = central.clone()
+        for c in written:
+            total += c.to(device) - central
+        return total
+    stacked = torch.stack([c.to(device, torch.float64) for c in written])
+    mean = stacked.mean(0)
+    if not (central.is_floating_point() or central.is_complex()):
+        mean = mean.round()
+    return mean.to(central.dtype)
+
+
+# -- the store --------------------------------------------------------------------------
+class ParameterStore:
+    """Everything a strategy keeps about its central parameters and replica copies."""
+
+    def __init__(self, parameter_device, compute_devices, copy_parameters: bool | None):
+        self.parameter_device = parameter_device
+        self.compute_devices = list(compute_devices)
+        self._torch_param = parameter_device.torch_device
+        self._modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._tensors: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
+            weakref.WeakValueDictionary()
+        self._generation = 0
+        self._lock = threading.Lock()
+        self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
+        self._aliases: list[dict] = [{} for _ in self.compute_devices]
+        self._mirrors: list = [None] * len(self.compute_devices)
+        self._pending: list[ReplicaServing] = []
+
+    def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
+        if copy_parameters:
+            return True
+        return device.torch_device != self._torch_param
+
+    # -- registration --------------------------------------------------------------------
+    def adopt(self, module: torch.nn.Module) -> None:
+        """Serve ``module``'s parameters and buffers to replicas from now on."""
+        for attr, kind in (("_parameters", "parameter"), ("_buffers", "buffer")):
+            current = module.__dict__.get(attr)
+            if current is None or (isinstance(current, ServedDict) and current._store is self):
+                continue
+            module.__dict__[attr] = ServedDict(dict(current), self, module, kind)
+        self._modules.add(module)
+        for value in dict.values(module._parameters):
+            if value is not None:
+                self.register_tensor(value)
+
+    def register_tensor(self, tensor: torch.Tensor) -> None:
+        """Track a central trainable tensor (for coalesced copies to replica devices)."""
+        with self._lock:
+            if self._tensors.get(id(tensor)) is not tensor:
+                self._tensors[id(tensor)] = tensor
+                self._generation += 1
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tracked central tensors, in registration order of their ids."""
+        with self._lock:
+            return [t for _, t in sorted(self._tensors.items())]
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the parameter device (the same object when already there)."""
+        return tensor if tensor.device == self._torch_param else tensor.to(self._torch_param)
+
+    # -- runs ----------------------------------------------------------------------------
+    def begin_run(self) -> list["ReplicaServing"]:
+        self.flush_pending()
+        return [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+
+    def finish_run(self, servings: list["ReplicaServing"]) -> None:
+        """Sum the replicas' gradients into the central ones; combine written buffers."""
+        self._aggregate_buffers(servings)
+        self._pending = servings
+        self.flush_pending()
+
+    def discard_run(self, servings: list["ReplicaServing"]) -> None:
+        """Forget what a failed run's replicas produced."""
+        for serving in servings:
+            serving.clear_grads()
+        self._pending = []
+
+    def flush_pending(self) -> None:
+        """Add gradients that replicas' leaves received since the last flush."""
+        pending = self._pending
+        if not pending:
+            return
+        with torch.no_grad():
+            for serving in pending:
+                serving.flush_grads()
+
+    def _aggregate_buffers(self, servings: list["ReplicaServing"]) -> None:
+        keys: dict = {}
+        for serving in servings:
+            for key in serving.buffers:
+                keys.setdefault(key, None)
+        with torch.no_grad():
+            for key in keys:
+                owner, name = key
+                central = dict.__getitem__(owner, name)
+                copies = [s.written_buffer(key) for s in servings]
+                if all(c is None for c in copies):
+                    continue
+                module = owner._module()
+                agg = get_aggregation(module, name, central)
+                new = _aggregate(central, copies, agg, owner.path(name))
+                if new is central:
+                    continue
+                if central is not None and new.shape == central.shape:
+                    central.copy_(new)
+                else:
+                    dict.__setitem__(owner, name, self.place(new))
+
+    # -- replica views -------------------------------------------------------------------
+    def alias(self, replica_id: int, central: torch.Tensor) -> torch.Tensor:
+        """A leaf sharing ``central``'s storage, cached per replica."""
+        cache = self._aliases[replica_id]
+        leaf = cache.get(central)
+        if (leaf is None or leaf.data_ptr() != central.data_ptr()
+                or leaf.shape != central.shape or leaf.dtype != central.dtype):
+            leaf = central.detach().requires_grad_(central.requires_grad)
+            cache[central] = leaf
+        return leaf
+
+    def mirror(self, replica_id: int):
+        from .broadcast import DeviceMirror
+        mirror = self._mirrors[replica_id]
+        if mirror is None:
+            mirror = DeviceMirror(self.compute_devices[replica_id].torch_device, self._torch_param)
+            self._mirrors[replica_id] = mirror
+        return mirror
+
+    def check_device(self, central: torch.Tensor, path: str) -> None:
+        if central.device != self._torch_param:
+            raise RuntimeError(
+                f"{path} lives on {central.device}, but the strategy keeps parameters on "
+                f"{self.parameter_device.short_name}; models created in strategy.scope() must "
+                "not be moved with .to()/.cuda() -- the strategy places them")
+
+
+class ReplicaServing:
+    """What one replica of one run has been served, and what it wrote."""
+
+    __slots__ = ("store", "replica_id", "device", "copies", "params", "buffers", "_mirror")
+
+    def __init__(self, store: ParameterStore, replica_id: int):
+        self.store = store
+        self.replica_id = replica_id
+        self.device = store.compute_devices[replica_id].torch_device
+        self.copies = store.copies[replica_id]
+        self.params: dict = {}   # central tensor -> leaf served this run
+        self.buffers: dict = {}  # (owner dict, name) -> [copy, version at serve, assigned]
+        self._mirror = None
+
+    def serve(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
+        if owner._kind == "parameter":
+            leaf = self.params.get(value)
+            if leaf is None:
+                self.store.check_device(value, owner.path(name))
+                leaf = self._leaf(value)
+            return leaf
+        return self._buffer(owner, name, value)
+
+    def serve_tensor(self, central: torch.Tensor) -> torch.Tensor:
+        """The replica's leaf for a tracked tensor that is not in a module (a Variable)."""
+        leaf = self.params.get(central)
+        return leaf if leaf is not None else self._leaf(central)
+
+    def _leaf(self, central: torch.Tensor) -> torch.Tensor:
+        if self.copies:
+            if self._mirror is None:
+                self._mirror = self.store.mirror(self.replica_id)
+                self._mirror.refresh(self.store)
+            leaf = self._mirror.leaf(central)
+        else:
+            leaf = self.store.alias(self.replica_id, central)
+            leaf.grad = None
+        self.params[central] = leaf
+        return leaf
+
+    def _buffer(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
+        key = (owner, name)
+        entry = self.buffers.get(key)
+        if entry is None:
+            copy = value.to(self.device, copy=True)
+            entry = self.buffers[key] = [copy, copy._version, False]
+        return entry[0]
+
+    def assign(self, owner: ServedDict, name: str, value) -> None:
+        if owner._kind == "parameter":
+            raise RuntimeError(
+                f"cannot replace parameter {owner.path(name)} inside a replica: parameters "
+                "are updated once, in cross-replica context (optimizer.step() after run)")
+        self.buffers[(owner, name)] = [value, None, True]
+
+    def written_buffer(self, key) -> torch.Tensor | None:
+        entry = self.buffers.get(key)
+        if entry is None:
+            return None
+        copy, version, assigned = entry
+        return copy if assigned or copy._version != version else None
+
+    def flush_grads(self) -> None:
+        """Move this replica's new leaf gradients into the central ``.grad``."""
+        if not self.params:
+            return
+        if self.copies:
+            centrals, grads = self._mirror.take_grads(self.params)
+        else:
+            centrals, grads = [], []
+            for central, leaf in self.params.items():
+                if leaf.grad is not None:
+                    centrals.append(central)
+                    grads.append(leaf.grad)
+                    leaf.grad = None
+        accumulate(centrals, grads)
+
+    def clear_grads(self) -> None:
+        for leaf in self.params.values():
+            leaf.grad = None
+
+
+def accumulate(centrals: list, grads: list) -> None:
+    """``central.grad += grad`` for each pair; steals ``grad`` where there is none yet."""
+    existing_p, existing_g = [], []
+    for central, grad in zip(centrals, grads):
+        if central.grad is None:
+            central.grad = grad
+        else:
+            existing_p.append(central.grad)
+            existing_g.append(grad)
+    if existing_p:
+        torch._foreach_add_(existing_p, existing_g)
+
+
+# -- placement hooks --------------------------------------------------------------------
+def _placing_store() -> ParameterStore | None:
+    strategy = context.current_entry().strategy
+    return None if strategy is None else strategy.extended._store
+
+
+def _on_parameter(module: torch.nn.Module, name: str, param):
+    store = _placing_store()
+    if store is None or param is None:
+        return None
+    placed = param
+    if param.device != store._torch_param:
+        placed = torch.nn.Parameter(store.place(param.detach()), requires_grad=param.requires_grad)
+    store.adopt(module)
+    store.register_tensor(placed)
+    _install_extras(module)
+    return placed if placed is not param else None
+
+
+def _on_buffer(module: torch.nn.Module, name: str, buffer):
+    store = _placing_store()
+    if store is None or buffer is None:
+        return None
+    store.adopt(module)
+    _install_extras(module)
+    return store.place(buffer) if buffer.device != store._torch_param else None
+
+
+def _install_extras(module: torch.nn.Module) -> None:
+    from .sync_batch_norm import install
+    install(module)
+
+
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def install_hooks() -> None:
+    """Register csrun's global registration hooks once (they do nothing outside scopes)."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        nn_module.register_module_parameter_registration_hook(_on_parameter)
+        nn_module.register_module_buffer_registration_hook(_on_buffer)
+        optim_module.register_optimizer_step_pre_hook(_before_optimizer_step)
+        _hooks_installed = True
+
+
+_live_stores: "weakref.WeakSet[ParameterStore]" = weakref.WeakSet()
+
+
+def track_store(store: ParameterStore) -> None:
+    _live_stores.add(store)
+
+
+def _before_optimizer_step(optimizer, args, kwargs):
+    if context.current_entry().replica is not None:
+        raise RuntimeError(
+            "optimizer.step() was called inside strategy.run; call it after run returns "
+            "(cross-replica context), where the replicas' gradients have been summed -- or "
+            "inside get_replica_context().merge_call(lambda strategy: optimizer.step())")
+    for store in list(_live_stores):
+        store.flush_pending()
+    return None
+
+
+def iter_modules(store: ParameterStore) -> Iterable[torch.nn.Module]:
+    return list(store._modules)

@@ -1,0 +1,127 @@
+"""ReduceOp and the arithmetic of cross-replica reductions and gathers.
+
+These functions take one value per replica (in replica order) and return one result on a
+chosen device. The strategy decides which values and which device; this module only does
+the arithmetic, with TF's rules:
+
+* ``axis=None`` combines replicas elementwise; shapes must match; MEAN divides by the
+  number of replicas.
+* ``axis=k`` also sums along ``k`` inside each replica; MEAN divides by the true number of
+  elements along ``k`` over all replicas (so partial batches weigh right).
+* MEAN of integers gives float64, as TF does.
+"""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor"]
+
+
+class ReduceOp(enum.Enum):
+    """How values are combined across replicas: ``SUM`` or ``MEAN``.
+
+    Strings are accepted anywhere a ReduceOp is, case-insensitively (``"sum"``, ``"Mean"``).
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @classmethod
+    def from_string(cls, name: str) -> "ReduceOp":
+        """``ReduceOp.from_string("mean") -> ReduceOp.MEAN``."""
+        return cls.resolve(name)
+
+    @classmethod
+    def resolve(cls, op: Any) -> "ReduceOp":
+        """Turn a ReduceOp or its name into a ReduceOp, with a clear error otherwise."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls[op.upper()]
+            except KeyError:
+                raise ValueError(f"{op.upper()!r} is not a valid ReduceOp; use SUM or MEAN") \
+                    from None
+        raise TypeError(f"reduce_op must be a ReduceOp or 'SUM'/'MEAN', got {type(op).__name__} "
+                        f"{op!r}")
+
+
+def as_tensor(value: Any) -> torch.Tensor:
+    """A tensor view of a tensor, numpy array or Python/numpy number."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (np.ndarray, np.generic, numbers.Number)):
+        return torch.as_tensor(value)
+    raise TypeError(f"cannot reduce a {type(value).__name__}: expected tensors, numpy arrays "
+                    "or numbers")
+
+
+def _mean_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if (dtype.is_floating_point or dtype.is_complex) else torch.float64
+
+
+def _check_axis(tensor: torch.Tensor, axis: int, replica: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be None or an int, got {type(axis).__name__} {axis!r}")
+    rank = tensor.dim()
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"invalid reduction axis {axis} for the value of replica {replica}, which has "
+            f"{rank} dimension(s) (shape {tuple(tensor.shape)})"
+        )
+    return axis % rank
+
+
+def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0]
+    for t in tensors[1:]:
+        total = total + t
+    return total
+
+
+def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
+                  device: torch.device | None) -> torch.Tensor:
+    """Reduce one value per replica into a tensor on ``device`` (None: leave in place)."""
+    tensors = [as_tensor(v) for v in values]
+    if device is not None:
+        tensors = [t.to(device) for t in tensors]
+    if axis is None:
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) > 1:
+            listed = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
+            raise ValueError(
+                f"cannot reduce across replicas with axis=None: the shapes differ ({listed}); "
+                "pass axis=0 to reduce along the batch dimension as well"
+            )
+        total = _sum_in_order(tensors)
+        if op is ReduceOp.MEAN:
+            return total.to(_mean_dtype(total.dtype)) / len(tensors)
+        return total
+    dims = [_check_axis(t, axis, i) for i, t in enumerate(tensors)]
+    partial = [t.sum(dim=d) for t, d in zip(tensors, dims)]
+    total = _sum_in_order(partial)
+    if op is ReduceOp.MEAN:
+        count = sum(t.shape[d] for t, d in zip(tensors, dims))
+        return total.to(_mean_dtype(total.dtype)) / count
+    return total
+
+
+def gather_values(values: Sequence[Any], axis: int, device: torch.device | None) -> torch.Tensor:
+    """Concatenate one value per replica along ``axis`` (sizes along it may differ)."""
+    tensors = [as_tensor(v) for v in values]
+    for i, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise ValueError(
+                f"cannot gather scalars (replica {i} holds a 0-d value); gather concatenates "
+                "along an axis, so give each replica at least one dimension"
+            )
+        _check_axis(t, axis, i)
+    if device is not None:
+        tensors = [t.to(device) for t in tensors]
+    return torch.cat(tensors, dim=axis)

@@ -1,0 +1,327 @@
+"""Calling a function once per replica, and the rendezvous that replicas meet at.
+
+Two execution modes:
+
+* **ordered** (TF's own order; the default when every replica computes on the host CPU):
+  replicas run one at a time, 0, 1, ..., so Python side effects happen in replica order.
+  While no replica needs to meet the others, each runs inline on the calling thread (no
+  thread switch at all). When replica 0 reaches a rendezvous (``all_reduce``,
+  ``merge_call``, a synchronized BatchNorm, ...), the other replicas move to worker
+  threads and the replicas take turns: each runs until its next rendezvous, the last one
+  to arrive computes the merged result, and replica 0 resumes.
+* **concurrent** (the default when replicas sit on different physical devices, e.g. two
+  GPUs or CPU + GPU): every replica runs at once on its own thread; a rendezvous is a
+  barrier.
+
+A replica that raises aborts the others at their next rendezvous (or skips them if they
+have not started); ``execute`` re-raises the first error once every replica has stopped,
+so no thread is left running user code.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["ReplicaRun", "ReplicaExecutor", "ReplicaAborted"]
+
+_FINAL = frozenset({"done", "failed", "aborted", "skipped"})
+
+
+class ReplicaAborted(BaseException):
+    """Unwinds a replica because another replica failed (never reaches user code's
+    ``except Exception``)."""
+
+
+class _ThreadState:
+    """Per-thread torch settings of the caller, re-applied on worker threads."""
+
+    def __init__(self):
+        self.grad_enabled = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast = []
+        for device_type in ("cpu", "cuda"):
+            try:
+                if torch.is_autocast_enabled(device_type):
+                    self.autocast.append((device_type, torch.get_autocast_dtype(device_type)))
+            except (TypeError, RuntimeError):  # pragma: no cover - older torch
+                pass
+
+    def apply(self, fn: Callable[[], Any]) -> Any:
+        with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
+            if not self.autocast:
+                return fn()
+            return self._with_autocast(list(self.autocast), fn)
+
+    def _with_autocast(self, pending: list, fn: Callable[[], Any]) -> Any:
+        if not pending:
+            return fn()
+        device_type, dtype = pending.pop()
+        with torch.autocast(device_type, dtype=dtype):
+            return self._with_autocast(pending, fn)
+
+
+class ReplicaRun:
+    """One call of ``body(replica_id)`` on every replica, with rendezvous between them.
+
+    Args:
+      num_replicas: how many replicas.
+      concurrent: run all replicas at once (True) or in replica order (False).
+      body: ``body(replica_id) -> output``; sets up the replica's context itself.
+      executor: where worker threads come from.
+    """
+
+    def __init__(self, num_replicas: int, concurrent: bool, body: Callable[[int], Any],
+                 executor: "ReplicaExecutor"):
+        self.num_replicas = num_replicas
+        self.concurrent = concurrent and num_replicas > 1
+        self.body = body
+        self.executor = executor
+        self.cond = threading.Condition(threading.Lock())
+        self.results: list = [None] * num_replicas
+        self.status = ["new"] * num_replicas
+        self.error: tuple[int | None, BaseException] | None = None
+        self.threaded = False
+        self.turn = 0          # ordered mode: the replica allowed to run
+        self.round = 0         # ordered mode: completed rendezvous rounds
+        self.generation = 0    # concurrent mode: completed barriers
+        self.arrivals: dict[int, tuple] = {}
+        self.sync_results: dict[int, Any] = {}
+        self.merging: int | None = None  # the thread running a merge, if any
+        self.thread_state = _ThreadState()
+        self.main_thread = threading.get_ident()
+
+    # -- running -------------------------------------------------------------------------
+    def execute(self) -> list:
+        """Run every replica; return their outputs in replica order or raise the first
+        error (with the replica id and device noted on it by the caller's body)."""
+        if self.concurrent:
+            self._start_workers(range(1, self.num_replicas))
+            self._run_replica(0)
+        else:
+            for replica_id in range(self.num_replicas):
+                if self.threaded or self.error is not None:
+                    break
+                self._run_replica(replica_id)
+        if self.threaded:
+            with self.cond:
+                self.cond.wait_for(lambda: all(s in _FINAL for s in self.status))
+        if self.error is not None:
+            raise self.error[1]
+        return self.results
+
+    def _start_workers(self, replica_ids: Sequence[int]) -> None:
+        self.threaded = True
+        for replica_id in replica_ids:
+            self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))
+
+    def _run_replica(self, replica_id: int) -> None:
+        on_worker = threading.get_ident() != self.main_thread
+        if on_worker and not self.concurrent:
+            with self.cond:
+                self.cond.wait_for(lambda: self.error is not None or self.turn == replica_id)
+        if self.error is not None:
+            self._set_final(replica_id, "skipped")
+            return
+        self.status[replica_id] = "running"
+        try:
+            if on_worker:
+                output = self.thread_state.apply(lambda: self.body(replica_id))
+            else:
+                output = self.body(replica_id)
+        except ReplicaAborted:
+            self._set_final(replica_id, "aborted")
+        except BaseException as exc:  # noqa: BLE001 - every error must reach the caller
+            self._fail(replica_id, exc)
+        else:
+            self.results[replica_id] = output
+            self._set_final(replica_id, "done")
+
+    def _set_final(self, replica_id: int, status: str) -> None:
+        with self.cond:
+            self.status[replica_id] = status
+            if self.threaded and self.error is None:
+                if self.concurrent:
+                    self._check_stranded()
+                elif status == "done" and self.turn == replica_id:
+                    self._advance(replica_id)
+            self.cond.notify_all()
+
+    def _fail(self, replica_id: int | None, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = (replica_id, exc)
+            if replica_id is not None:
+                self.status[replica_id] = "failed"
+            self.cond.notify_all()
+
+    # -- ordered mode --------------------------------------------------------------------
+    def _advance(self, replica_id: int) -> None:
+        """Hand the turn on after ``replica_id`` arrived or finished (lock held)."""
+        if replica_id + 1 < self.num_replicas:
+            self.turn = replica_id + 1
+            return
+        if all(s == "done" for s in self.status):
+            self.turn = -1
+            return
+        if all(s == "waiting" for s in self.status):
+            self._merge()
+            self.round += 1
+            self.turn = 0
+            return
+        self._mismatch()
+
+    # -- concurrent mode -----------------------------------------------------------------
+    def _check_stranded(self) -> None:
+        """A finished replica strands any replica waiting at a rendezvous (lock held)."""
+        waiting = [r for r, s in enumerate(self.status) if s == "waiting"]
+        if waiting and all(s in ("waiting", "done") for s in self.status):
+            self._mismatch()
+
+    # -- rendezvous ----------------------------------------------------------------------
+    def sync(self, replica_id: int, kind: str, payload: Any,
+             merge: Callable[[list], list]) -> Any:
+        """Meet the other replicas; return this replica's share of ``merge(payloads)``.
+
+        ``merge`` takes the payloads in replica order and returns one result per replica;
+        it runs once, on the thread of the last replica to arrive.
+        """
+        if self.merging == threading.get_ident():
+            raise RuntimeError(f"{kind} cannot be called inside merge_call's merge_fn")
+        with self.cond:
+            if self.error is not None:
+                raise ReplicaAborted()
+            self.arrivals[replica_id] = (kind, payload, merge)
+            if self.num_replicas == 1:
+                self._merge()
+                return self.sync_results.pop(replica_id)
+            if not self.threaded:
+                self._enter_threaded(replica_id, kind)
+            self.status[replica_id] = "waiting"
+            if self.concurrent:
+                return self._barrier(replica_id)
+            return self._take_turn(replica_id)
+
+    def _enter_threaded(self, replica_id: int, kind: str) -> None:
+        if replica_id > 0:
+            raise RuntimeError(
+                f"replica {replica_id} called {kind}, but replicas 0..{replica_id - 1} "
+                f"returned without calling it; every replica must make the same calls"
+            )
+        self._start_workers(range(1, self.num_replicas))
+
+    def _take_turn(self, replica_id: int) -> Any:
+        my_round = self.round
+        self._advance(replica_id)
+        self.cond.notify_all()
+        self.cond.wait_for(lambda: self.error is not None
+                           or (self.turn == replica_id and self.round > my_round))
+        return self._resume(replica_id)
+
+    def _barrier(self, replica_id: int) -> Any:
+        my_generation = self.generation
+        if all(s == "waiting" for s in self.status):
+            self._merge()
+            self.generation += 1
+            self.cond.notify_all()
+        else:
+            self._check_stranded()
+        self.cond.wait_for(lambda: self.error is not None or self.generation > my_generation)
+        return self._resume(replica_id)
+
+    def _resume(self, replica_id: int) -> Any:
+        if self.error is not None:
+            raise ReplicaAborted()
+        self.status[replica_id] = "running"
+        return self.sync_results.pop(replica_id)
+
+    def _merge(self) -> None:
+        """Compute every replica's result of the current rendezvous (lock held)."""
+        kinds = {r: a[0] for r, a in self.arrivals.items()}
+        if len(set(kinds.values())) > 1:
+            listed = ", ".join(f"replica {r} called {k}" for r, k in sorted(kinds.items()))
+            self._abort(RuntimeError(f"replicas diverged: {listed}; every replica must make "
+                                     "the same collective calls in the same order"))
+            return
+        payloads = [self.arrivals[r][1] for r in range(self.num_replicas)]
+        merge = self.arrivals[0][2]
+        self.arrivals.clear()
+        self.merging = threading.get_ident()
+        try:
+            results = merge(payloads)
+        except BaseException as exc:  # noqa: BLE001
+            self._abort(exc)
+            return
+        finally:
+            self.merging = None
+        self.sync_results = dict(enumerate(results))
+
+    def _mismatch(self) -> None:
+        done = [r for r, s in enumerate(self.status) if s == "done"]
+        waiting = {r: self.arrivals[r][0] for r, s in enumerate(self.status)
+                   if s == "waiting" and r in self.arrivals}
+        listed = ", ".join(f"replica {r} waits in {k}" for r, k in sorted(waiting.items()))
+        self._abort(RuntimeError(
+            f"replica(s) {done} returned while {listed}; every replica must make the same "
+            "collective calls (all_reduce, all_gather, merge_call, variable updates, "
+            "synchronized BatchNorm) in the same order"))
+
+    def _abort(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = (None, exc)
+        self.cond.notify_all()
+
+
+class _Worker:
+    def __init__(self, name: str):
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            task = self.inbox.get()
+            if task is None:
+                return
+            task()
+            task = None  # drop references to the finished run before blocking again
+
+
+class ReplicaExecutor:
+    """Persistent worker threads, one per replica beyond replica 0 (created on demand)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._workers: dict[int, _Worker] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, replica_id: int, task: Callable[[], None]) -> None:
+        with self._lock:
+            worker = self._workers.get(replica_id)
+            if worker is None:
+                worker = _Worker(f"{self._name}-replica-{replica_id}")
+                self._workers[replica_id] = worker
+        worker.inbox.put(task)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every worker thread (they are idle between runs)."""
+        with self._lock:
+            workers = list(self._workers.values())
+            self._workers.clear()
+        for worker in workers:
+            worker.inbox.put(None)
+        for worker in workers:
+            if worker.thread is not threading.current_thread():
+                worker.thread.join(timeout)
+
+    @property
+    def num_threads(self) -> int:
+        return len(self._workers)
+
+    def close_with(self, owner: object) -> None:
+        """Shut the workers down when ``owner`` is garbage collected."""
+        weakref.finalize(owner, ReplicaExecutor.shutdown, self)

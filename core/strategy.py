@@ -1,0 +1,640 @@
+"""CentralStorageStrategy: the one-machine case of the parameter-server engine.
+
+As in TensorFlow, :class:`CentralStorageStrategy` is a thin front over
+:class:`ParameterServerStrategyExtended` (the engine): parameters live on one parameter
+device, compute is replicated over the compute devices, gradients are summed onto the
+parameter device and the optimizer updates once there. ``ParameterServerStrategy`` reuses
+the same engine with a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import context
+from .context import ReplicaContext, cross_replica_required
+from .cross_device_ops import Collectives
+from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
+                      resolve_device, resolve_devices)
+from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputOptions,
+                    TensorSliceDataset, ValueContext)
+from .parameters import ParameterStore, install_hooks, track_store
+from .reduce import ReduceOp, as_tensor, gather_values, reduce_values
+from .replica_run import ReplicaAborted, ReplicaExecutor, ReplicaRun
+from .values import (DistributedValues, Mirrored, PerReplica, contains_distributed,
+                     local_results, map_structure, regroup, select_replica)
+from .variables import Variable
+
+__all__ = ["Strategy", "CentralStorageStrategy", "ParameterServerStrategyExtended",
+           "StrategyOptions", "RunOptions", "default_strategy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyOptions:
+    """csrun's engine settings (TF has no equivalent; the defaults need no change).
+
+    Attributes:
+      copy_parameters: give every replica its own copy of the parameters even on the
+        parameter's own device (the copy path GPUs use; lets CPU-only CI exercise it).
+      execution: ``"auto"`` (concurrent when replicas use different physical devices,
+        else ordered), ``"ordered"`` (TF's replica order) or ``"concurrent"``.
+      sync_batch_norm: BatchNorm created in scope normalizes with global-batch statistics.
+    """
+
+    copy_parameters: bool = False
+    execution: str = "auto"
+    sync_batch_norm: bool = True
+
+    def __post_init__(self):
+        if self.execution not in ("auto", "ordered", "concurrent"):
+            raise ValueError(f"execution must be 'auto', 'ordered' or 'concurrent', got "
+                             f"{self.execution!r}")
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """TF's ``tf.distribute.RunOptions``; accepted for compatibility, no effect here."""
+
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: Any = None
+
+
+class _Scope:
+    """``strategy.scope()``: makes the strategy current in cross-replica context."""
+
+    __slots__ = ("_strategy", "_entry")
+
+    def __init__(self, strategy: "Strategy"):
+        self._strategy = strategy
+        self._entry = None
+
+    def __enter__(self) -> "Strategy":
+        current = context.current_entry()
+        if current.strategy is not None and current.strategy is not self._strategy:
+            raise RuntimeError(
+                f"Mixing different strategies: {self._strategy!r} cannot enter its scope "
+                f"inside the scope of {current.strategy!r}")
+        if current.replica is None:
+            self._entry = context._Entry(self._strategy)
+            context.push(self._entry)
+        return self._strategy
+
+    def __exit__(self, *exc) -> None:
+        if self._entry is not None:
+            context.pop(self._entry)
+            self._entry = None
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+
+
+def _tpu_only(name: str) -> NotImplementedError:
+    return NotImplementedError(f"{name} is TPU-only in TensorFlow (TPUStrategy); "
+                               "a CentralStorageStrategy has no logical TPU cores")
+
+
+class Strategy:
+    """TF's ``tf.distribute.Strategy`` API over an engine (``self.extended``)."""
+
+    def __init__(self, extended: "ParameterServerStrategyExtended"):
+        self._extended = extended
+
+    # -- attributes ----------------------------------------------------------------------
+    @property
+    def extended(self) -> "ParameterServerStrategyExtended":
+        """The engine, with TF's ``StrategyExtended`` methods."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas compute each step (gradients are aggregated over them)."""
+        return self._extended._num_replicas_in_sync
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver (None on one machine, as in TF)."""
+        return self._extended._cluster_resolver
+
+    def scope(self) -> _Scope:
+        """Make this strategy current; modules and Variables created inside live on the
+        parameter device. ``run`` and ``reduce`` enter it for you."""
+        return _Scope(self)
+
+    # -- running -------------------------------------------------------------------------
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None,
+            options: RunOptions | None = None) -> Any:
+        """Call ``fn`` once per replica with that replica's part of ``args``/``kwargs``.
+
+        Returns a PerReplica (or a nest of them) of the replicas' results; a result that
+        is the same object on every replica, or any result with one replica, is returned
+        as it is. Parameters of modules created in scope are served on each replica's
+        device, and when the replicas are done their gradients are summed into the
+        central ``.grad``.
+
+        Example::
+
+            def step(x, y):
+                loss = F.cross_entropy(model(x), y, reduction="sum") / global_batch
+                loss.backward()
+                return loss
+            losses = strategy.run(step, args=(x, y))
+            optimizer.step()
+        """
+        cross_replica_required("run")
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(f"options must be a RunOptions, got {type(options).__name__}")
+        with self.scope():
+            return self._extended.call_for_each_replica(fn, args, kwargs)
+
+    def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
+        """Deprecated alias of :meth:`run` (its TF 2.0/2.1 name)."""
+        _deprecated("experimental_run_v2", "run")
+        return self.run(fn, args, kwargs, options)
+
+    def experimental_run(self, fn: Callable, input_iterator=None) -> Any:
+        """TF v1: run ``fn`` on the next element of ``input_iterator`` (or no input)."""
+        args = () if input_iterator is None else (input_iterator.get_next(),)
+        return self.run(fn, args=args)
+
+    # -- reducing ------------------------------------------------------------------------
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """Reduce ``value`` across replicas (and along ``axis`` when given).
+
+        The result goes to the current default device (``torch.get_default_device()``,
+        the CPU unless set), TF's "current device". Nests are reduced leaf by leaf.
+        """
+        cross_replica_required("reduce")
+        op = ReduceOp.resolve(reduce_op)
+        device = torch.get_default_device()
+        return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
+            if isinstance(value, (tuple, list, dict)) else \
+            self._reduce_leaf(op, value, axis, device)
+
+    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None, device) -> Any:
+        if isinstance(value, DistributedValues):
+            return reduce_values(op, value.values, axis, device)
+        replicas = self.num_replicas_in_sync
+        if axis is None:
+            if op is ReduceOp.MEAN or replicas == 1 or _is_zero(value):
+                return value
+            raise ValueError(
+                f"A non-distributed value {value!r:.80} cannot be reduced with SUM across "
+                f"{replicas} replicas: it is the same on every replica, so the sum is "
+                "ambiguous. Reduce run's per-replica output, or use MEAN.")
+        tensor = as_tensor(value.value() if isinstance(value, Variable) else value)
+        return reduce_values(op, [tensor] * replicas, axis, device)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate the replicas' components along ``axis`` on the current device."""
+        cross_replica_required("gather")
+        device = torch.get_default_device()
+
+        def leaf(v):
+            if isinstance(v, DistributedValues):
+                return gather_values(v.values, axis, device)
+            return gather_values([v], axis, device)
+        return map_structure(leaf, value)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """The per-replica components of ``value`` as a tuple (``(value,)`` if plain)."""
+        return local_results(value, self.num_replicas_in_sync)
+
+    def unwrap(self, value: Any) -> tuple:
+        """TF v1 name of :meth:`experimental_local_results`."""
+        return self.experimental_local_results(value)
+
+    def group(self, value: Any, name: str | None = None) -> None:
+        """TF v1: group ops for graph mode; nothing to do in eager PyTorch."""
+        return None
+
+    # -- input ---------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Iterable,
+                                        options: InputOptions | None = None):
+        """Split each global batch of ``dataset`` across the replicas (see ``input.py``)."""
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable,
+                                          options: InputOptions | None = None):
+        """Deal per-replica batches of ``dataset_fn(InputContext)`` to the replicas."""
+        return DistributedDatasetsFromFunction(self, dataset_fn, options)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Deprecated alias of :meth:`distribute_datasets_from_function`."""
+        _deprecated("experimental_distribute_datasets_from_function",
+                    "distribute_datasets_from_function")
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
+        """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf)."""
+        count = self.num_replicas_in_sync
+        values = [value_fn(ValueContext(r, count)) for r in range(count)]
+        if count == 1:
+            return map_structure(lambda v: PerReplica([v]), values[0])
+        return regroup(values, collapse_identical=False)
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> TensorSliceDataset:
+        """Deprecated in TF: a dataset of slices of ``numpy_input``; batch it yourself."""
+        _deprecated("experimental_make_numpy_dataset",
+                    "torch.utils.data.TensorDataset (or csrun.core.TensorSliceDataset)")
+        return self._extended.experimental_make_numpy_dataset(numpy_input)
+
+    def make_dataset_iterator(self, dataset: Iterable):
+        """TF v1: an iterator over ``experimental_distribute_dataset(dataset)``."""
+        return _InitializableIterator(lambda: iter(self.experimental_distribute_dataset(dataset)))
+
+    def make_input_fn_iterator(self, input_fn: Callable, replication_mode=None):
+        """TF v1: an iterator over ``distribute_datasets_from_function(input_fn)``."""
+        options = None if replication_mode is None else \
+            InputOptions(experimental_replication_mode=replication_mode)
+        return _InitializableIterator(
+            lambda: iter(self.distribute_datasets_from_function(input_fn, options)))
+
+    # -- graph-era and TPU-only API ------------------------------------------------------
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        """TF v1 configuration hook; nothing to configure on one machine."""
+        return None
+
+    def update_config_proto(self, config_proto):
+        raise NotImplementedError(
+            "update_config_proto edits a TF session ConfigProto; PyTorch has no sessions or "
+            "graphs, so there is nothing to update")
+
+    def colocate_vars_with(self, colocate_with_variable):
+        return self._extended.colocate_vars_with(colocate_with_variable)
+
+    def experimental_assign_to_logical_device(self, tensor, logical_device_id):
+        raise _tpu_only("experimental_assign_to_logical_device")
+
+    def experimental_replicate_to_logical_devices(self, tensor):
+        raise _tpu_only("experimental_replicate_to_logical_devices")
+
+    def experimental_split_to_logical_devices(self, tensor, partition_dimensions):
+        raise _tpu_only("experimental_split_to_logical_devices")
+
+    def __repr__(self) -> str:
+        ext = self._extended
+        return (f"{type(self).__name__}(compute_devices={[d.short_name for d in ext._compute]}, "
+                f"parameter_device={ext._parameter.short_name!r})")
+
+
+class _InitializableIterator:
+    """TF v1 InputIterator: ``initialize()`` (re)starts it, ``get_next()`` advances."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make = make
+        self._iterator = None
+
+    def initialize(self) -> list:
+        self._iterator = self._make()
+        return []
+
+    def get_next(self) -> Any:
+        if self._iterator is None:
+            self.initialize()
+        return next(self._iterator)
+
+    def __iter__(self):
+        return self
+
+    __next__ = get_next
+
+
+def _is_zero(value: Any) -> bool:
+    try:
+        tensor = as_tensor(value)
+    except TypeError:
+        return False
+    return bool((tensor == 0).all())
+
+
+class ParameterServerStrategyExtended:
+    """The engine: device table, central parameter store, replicated calls, reductions.
+
+    TF's ``StrategyExtended`` methods live here (``worker_devices``, ``reduce_to``,
+    ``update``, ``colocate_vars_with``, ...).
+    """
+
+    def __init__(self, container: Strategy, compute: list[LogicalDevice],
+                 parameter: LogicalDevice, parameter_spelling: str,
+                 options: StrategyOptions | None = None, cluster_resolver=None):
+        install_hooks()
+        self._container = container
+        self._compute = compute
+        self._parameter = parameter
+        self._parameter_spelling = parameter_spelling
+        self.options = options if options is not None else StrategyOptions()
+        self._cluster_resolver = cluster_resolver
+        self._num_replicas_in_sync = len(compute)
+        self._store = ParameterStore(parameter, compute, self.options.copy_parameters)
+        track_store(self._store)
+        self._executor = ReplicaExecutor(f"csrun-{id(self):x}")
+        self._executor.close_with(container)
+        self._concurrent = self._decide_concurrency()
+        self._streams = None
+        self._run_lock = threading.Lock()
+
+    def _decide_concurrency(self) -> bool:
+        if self.options.execution != "auto":
+            return self.options.execution == "concurrent"
+        physical = {d.torch_device for d in self._compute}
+        return len(physical) > 1
+
+    # -- TF attributes -------------------------------------------------------------------
+    @property
+    def worker_devices(self) -> list[str]:
+        """Canonical names of the compute devices, one per replica."""
+        return [d.name for d in self._compute]
+
+    @property
+    def worker_devices_by_replica(self) -> list[list[str]]:
+        return [[d.name] for d in self._compute]
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The parameter device, spelled as it was given (TF reports it that way)."""
+        return (self._parameter_spelling,)
+
+    @property
+    def torch_devices(self) -> list[torch.device]:
+        """The :class:`torch.device` of each replica (logical CPUs all map to ``cpu``)."""
+        return [d.torch_device for d in self._compute]
+
+    @property
+    def parameter_device(self) -> LogicalDevice:
+        return self._parameter
+
+    experimental_between_graph = True
+    experimental_should_init = True
+    should_checkpoint = True
+    should_save_summary = True
+    experimental_require_static_shapes = False
+
+    # -- replicated calls ----------------------------------------------------------------
+    def call_for_each_replica(self, fn: Callable, args: tuple = (),
+                              kwargs: dict | None = None) -> Any:
+        """Run ``fn`` on every replica (``Strategy.run`` without entering the scope)."""
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+        kwargs = kwargs or {}
+        self._check_distributed_args(args, kwargs)
+        if not self._run_lock.acquire(blocking=False):
+            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
+                               "running (e.g. run called inside merge_call's merge_fn)")
+        try:
+            return self._call(fn, tuple(args), kwargs)
+        finally:
+            self._run_lock.release()
+
+    def _check_distributed_args(self, args, kwargs) -> None:
+        count = self._num_replicas_in_sync
+        for value in (args, kwargs):
+            if not contains_distributed(value):
+                continue
+            for leaf in _distributed_leaves(value):
+                if len(leaf.values) != count:
+                    raise ValueError(f"an argument holds {len(leaf.values)} per-replica values "
+                                     f"but this strategy has {count} replicas")
+
+    def _call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        strategy = self._container
+        servings = self._store.begin_run()
+        run = ReplicaRun(self._num_replicas_in_sync, self._concurrent, None, self._executor)
+        run.collectives = Collectives(run, strategy)
+        streams = self._replica_streams()
+
+        def body(replica_id: int) -> Any:
+            replica = ReplicaContext(strategy, replica_id, run)
+            entry = context._Entry(strategy, replica, servings[replica_id])
+            context.push(entry)
+            try:
+                a = select_replica(replica_id, args)
+                k = select_replica(replica_id, kwargs)
+                if streams is not None and streams[replica_id] is not None:
+                    device = self._compute[replica_id].torch_device
+                    with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
+                        return fn(*a, **k)
+                return fn(*a, **k)
+            except ReplicaAborted:
+                raise
+            except BaseException as exc:
+                _note_replica(exc, replica_id, self._compute[replica_id])
+                raise
+            finally:
+                context.pop(entry)
+
+        run.body = body
+        try:
+            outputs = run.execute()
+            self._join_streams(streams)
+            self._store.finish_run(servings)
+        except BaseException:
+            self._store.discard_run(servings)
+            raise
+        return regroup(outputs)
+
+    def _replica_streams(self) -> list | None:
+        if not any(d.is_gpu for d in self._compute):
+            return None
+        if self._streams is None:
+            self._streams = [torch.cuda.Stream(d.torch_device) if d.is_gpu else None
+                             for d in self._compute]
+        return self._streams
+
+    def _join_streams(self, streams) -> None:
+        if streams is None:
+            return
+        for device, stream in zip(self._compute, streams):
+            if stream is not None:
+                torch.cuda.current_stream(device.torch_device).wait_stream(stream)
+
+    def _input_feeder(self, options: InputOptions) -> Feeder:
+        return Feeder(self._compute, options.experimental_fetch_to_device,
+                      self._replica_streams())
+
+    # -- TF StrategyExtended methods -----------------------------------------------------
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
+        """Reduce ``value`` across replicas onto ``destinations`` (a device, a tensor or
+        Variable -- its device --, or a DistributedValues: a Mirrored copy per replica)."""
+        op = ReduceOp.resolve(reduce_op)
+        values = value.values if isinstance(value, DistributedValues) else [value]
+        if isinstance(destinations, DistributedValues):
+            result = reduce_values(op, values, None, self._parameter.torch_device)
+            return Mirrored([result.to(d.torch_device, copy=True) for d in self._compute])
+        return reduce_values(op, values, None, self._destination_device(destinations))
+
+    def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Iterable) -> list:
+        """:meth:`reduce_to` for each ``(value, destinations)`` pair."""
+        return [self.reduce_to(reduce_op, v, d) for v, d in value_destination_pairs]
+
+    def _destination_device(self, destinations: Any) -> torch.device:
+        if isinstance(destinations, Variable):
+            return destinations.tensor.device
+        if isinstance(destinations, torch.Tensor):
+            return destinations.device
+        return resolve_device(destinations).torch_device
+
+    def update(self, var: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Run ``fn(var, *args, **kwargs)`` once, in cross-replica context, where the
+        variable lives."""
+        cross_replica_required("extended.update")
+        with self._container.scope(), torch.no_grad():
+            return fn(var, *args, **(kwargs or {}))
+
+    def update_non_slot(self, colocate_with: Any, fn: Callable, args: tuple = (),
+                        kwargs: dict | None = None, group: bool = True) -> Any:
+        cross_replica_required("extended.update_non_slot")
+        with self._container.scope():
+            return fn(*args, **(kwargs or {}))
+
+    def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
+        return (self._parameter.name,)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any):
+        """Variables created inside go where ``colocate_with_variable`` lives (here: all
+        variables already share the parameter device)."""
+        yield
+
+    def read_var(self, var: Any) -> torch.Tensor:
+        return var.value() if isinstance(var, Variable) else var
+
+    def value_container(self, value: Any) -> Any:
+        return value
+
+    def variable_created_in_scope(self, value: Any) -> bool:
+        if isinstance(value, Variable):
+            return value.distribute_strategy is self._container
+        if isinstance(value, torch.Tensor):
+            return any(t is value for t in self._store.tensors())
+        return False
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Mirrored:
+        """A Mirrored copy of ``tensor`` on every replica device."""
+        tensor = as_tensor(tensor)
+        return Mirrored([tensor.to(d.torch_device, copy=True) for d in self._compute])
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> TensorSliceDataset:
+        return TensorSliceDataset(numpy_input)
+
+    def experimental_run_steps_on_iterator(self, *args, **kwargs):
+        raise NotImplementedError("experimental_run_steps_on_iterator is a TF 1 graph-loop "
+                                  "API; iterate a distributed dataset and call run")
+
+
+def _distributed_leaves(value: Any) -> list:
+    from .values import flatten
+    return [v for v in flatten(value) if isinstance(v, DistributedValues)]
+
+
+def _note_replica(exc: BaseException, replica_id: int, device: LogicalDevice) -> None:
+    if getattr(exc, "csrun_replica_id", None) is not None:
+        return
+    try:
+        exc.csrun_replica_id = replica_id
+        exc.csrun_device = device.name
+    except AttributeError:  # pragma: no cover - exceptions with __slots__
+        pass
+    exc.add_note(f"(raised in replica {replica_id} on {device.name})")
+
+
+class CentralStorageStrategy(Strategy):
+    """A one-machine strategy that puts all variables on a single device.
+
+    Parameters are placed on the parameter device; computation is replicated over the
+    compute devices. Gradients of all replicas are summed onto the parameter device and the
+    optimizer updates the parameters once there.
+
+    Args:
+      compute_devices: device names of the replicas (TF or torch spellings). Default: every
+        local GPU, else the CPU.
+      parameter_device: where parameters live. Default: the only compute device if there is
+        one, else the CPU.
+      options: csrun engine settings (:class:`StrategyOptions`), keyword-only.
+
+    Raises:
+      DeviceError: a device that cannot be parsed, does not exist, or repeats.
+
+    Example::
+
+        strategy = CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+        with strategy.scope():
+            model = torch.nn.Linear(3, 1)
+        dist = strategy.experimental_distribute_dataset(batches)
+        for x in dist:
+            print(strategy.run(lambda v: v + 1, args=(x,)))
+    """
+
+    def __init__(self, compute_devices: Iterable | None = None, parameter_device: Any = None,
+                 *, options: StrategyOptions | None = None):
+        if compute_devices is None:
+            compute = default_compute_devices()
+        else:
+            compute = resolve_devices(compute_devices)
+        if parameter_device is None:
+            parameter, spelling = default_parameter_device(compute)
+        else:
+            if isinstance(parameter_device, (list, tuple)):
+                raise TypeError(f"parameter_device must be one device name, got "
+                                f"{type(parameter_device).__name__} {parameter_device!r}")
+            parameter = resolve_device(parameter_device)
+            spelling = parameter_device if isinstance(parameter_device, str) else parameter.name
+        super().__init__(ParameterServerStrategyExtended(self, compute, parameter, spelling,
+                                                         options))
+
+
+# -- the default strategy ---------------------------------------------------------------
+class _DefaultExtended:
+    worker_devices = ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    parameter_devices = ("/job:localhost/replica:0/task:0/device:CPU:0",)
+    _num_replicas_in_sync = 1
+    _cluster_resolver = None
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        return fn(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, var):
+        yield
+
+
+class _DefaultStrategy(Strategy):
+    """What ``get_strategy()`` returns outside any scope: no distribution at all."""
+
+    def __init__(self):
+        super().__init__(_DefaultExtended())
+        self._default_replica_context = ReplicaContext(self, 0, None)
+
+    def scope(self):
+        return contextlib.nullcontext(self)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        return fn(*args, **(kwargs or {}))
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        from .input import InputContext
+        return dataset_fn(InputContext())
+
+    def __repr__(self) -> str:
+        return "DefaultStrategy()"
+
+
+_default: _DefaultStrategy | None = None
+
+
+def default_strategy() -> _DefaultStrategy:
+    global _default
+    if _default is None:
+        _default = _DefaultStrategy()
+    return _default

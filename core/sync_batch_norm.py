@@ -1,0 +1,79 @@
+"""BatchNorm that normalizes with the statistics of the whole global batch.
+
+Each replica sees only its slice of the batch. A plain BatchNorm would normalize with
+the slice's statistics, so training on 2 replicas would not match training on one device.
+BatchNorm layers created in ``strategy.scope()`` therefore combine their sums across
+replicas (two differentiable all-reduces forward, two backward) and normalize with the
+global mean and variance, as TF's ``BatchNormalization(synchronized=True)`` and torch's
+``SyncBatchNorm`` do. Every replica then updates its running statistics identically, and
+their MEAN aggregation equals what a single device computes.
+
+Outside replicas, in eval mode, with one replica, or with
+``StrategyOptions(sync_batch_norm=False)`` (TF's unsynchronized default), the layer runs
+its own forward unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import context
+from .reduce import ReduceOp
+
+__all__ = ["install", "synchronized_batch_norm"]
+
+
+def install(module: torch.nn.Module) -> None:
+    """Route a BatchNorm module created in scope through :func:`_forward` (idempotent)."""
+    if isinstance(module, _BatchNorm) and "forward" not in module.__dict__:
+        module.forward = functools.partial(_forward, module)
+
+
+def _forward(module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    replica = context.current_entry().replica
+    if (replica is None or replica._run is None or not module.training
+            or replica.num_replicas_in_sync == 1
+            or not replica.strategy.extended.options.sync_batch_norm):
+        return type(module).forward(module, input)
+    return synchronized_batch_norm(module, input, replica)
+
+
+def _momentum(module: _BatchNorm) -> float:
+    """The running-average factor of this step (mirrors ``_BatchNorm.forward``)."""
+    if not module.track_running_stats or module.num_batches_tracked is None:
+        return 0.0 if module.momentum is None else module.momentum
+    module.num_batches_tracked.add_(1)
+    if module.momentum is None:
+        return 1.0 / float(module.num_batches_tracked)
+    return module.momentum
+
+
+def synchronized_batch_norm(module: _BatchNorm, input: torch.Tensor, replica) -> torch.Tensor:
+    """Training-mode BatchNorm over the global batch of all replicas."""
+    module._check_input_dim(input)
+    channels = input.shape[1]
+    dims = [0] + list(range(2, input.dim()))
+    shape = [1, channels] + [1] * (input.dim() - 2)
+    compute = input if input.dtype in (torch.float32, torch.float64) else input.float()
+    local_count = compute.numel() // channels if channels else 0
+    count = compute.new_tensor([local_count])
+    total = replica.all_reduce(ReduceOp.SUM, torch.cat([compute.sum(dims), count]))
+    n = float(total[-1])
+    if n <= 1:
+        raise ValueError(f"BatchNorm needs more than 1 value per channel when training, "
+                         f"got a global batch of {int(n)} over all replicas")
+    mean = total[:channels] / n
+    centered = compute - mean.view(shape)
+    var = replica.all_reduce(ReduceOp.SUM, (centered * centered).sum(dims)) / n
+    output = centered * torch.rsqrt(var + module.eps).view(shape)
+    if module.affine:
+        output = output * module.weight.view(shape) + module.bias.view(shape)
+    factor = _momentum(module)
+    if module.track_running_stats and module.running_mean is not None:
+        with torch.no_grad():
+            module.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
+            module.running_var.mul_(1 - factor).add_(var.detach() * (n / (n - 1)) * factor)
+    return output.to(input.dtype)
