@@ -13,6 +13,7 @@ so the strategy keeps its own replica -> device table built from these objects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from typing import Iterable, Sequence
@@ -66,7 +67,7 @@ class LogicalDevice:
         """The short TF spelling, e.g. ``CPU:1``."""
         return f"{self.kind}:{self.index}"
 
-    @property
+    @functools.cached_property
     def torch_device(self) -> torch.device:
         """Where tensors of this device live: the host CPU for every logical CPU."""
         if self.kind == "GPU":

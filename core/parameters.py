@@ -220,7 +220,7 @@ class ParameterStore:
 
     def flush_pending(self) -> None:
         """Add gradients that replicas' leaves received since the last flush."""
-        pending = self._pending
+        pending = [s for s in self._pending if s.params]
         if not pending:
             return
         with torch.no_grad():
@@ -232,6 +232,8 @@ class ParameterStore:
         for serving in servings:
             for key in serving.buffers:
                 keys.setdefault(key, None)
+        if not keys:
+            return
         with torch.no_grad():
             for key in keys:
                 owner, name = key

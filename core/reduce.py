@@ -20,7 +20,27 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor"]
+__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device"]
+
+_CPU = torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    """TF's "current device": torch's default device (the CPU unless one was set).
+
+    ``torch.get_default_device()`` costs ~10 µs; this skips it when no default device
+    context is active, which is the common case.
+    """
+    holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    if holder is None or getattr(holder, "device_context", None) is None:
+        return _CPU
+    return torch.get_default_device()
+
+
+def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    if device is None or (device.type == "cpu" and tensor.is_cpu):
+        return tensor
+    return tensor.to(device)
 
 
 class ReduceOp(enum.Enum):
@@ -88,9 +108,7 @@ def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
                   device: torch.device | None) -> torch.Tensor:
     """Reduce one value per replica into a tensor on ``device`` (None: leave in place)."""
-    tensors = [as_tensor(v) for v in values]
-    if device is not None:
-        tensors = [t.to(device) for t in tensors]
+    tensors = [_to(as_tensor(v), device) for v in values]
     if axis is None:
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) > 1:
@@ -122,6 +140,4 @@ def gather_values(values: Sequence[Any], axis: int, device: torch.device | None)
                 "along an axis, so give each replica at least one dimension"
             )
         _check_axis(t, axis, i)
-    if device is not None:
-        tensors = [t.to(device) for t in tensors]
-    return torch.cat(tensors, dim=axis)
+    return torch.cat([_to(t, device) for t in tensors], dim=axis)

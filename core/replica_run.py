@@ -44,6 +44,8 @@ class _ThreadState:
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = []
+        if not torch._C._is_any_autocast_enabled():  # the common case, in one cheap call
+            return
         for device_type in ("cpu", "cuda"):
             try:
                 if torch.is_autocast_enabled(device_type):
@@ -92,6 +94,8 @@ class ReplicaRun:
         self.arrivals: dict[int, tuple] = {}
         self.sync_results: dict[int, Any] = {}
         self.merging: int | None = None  # the thread running a merge, if any
+        # Captured now: a replica may reach a rendezvous inside no_grad, and the workers
+        # started then must still see the caller's settings of when run began.
         self.thread_state = _ThreadState()
         self.main_thread = threading.get_ident()
 
@@ -142,6 +146,9 @@ class ReplicaRun:
             self._set_final(replica_id, "done")
 
     def _set_final(self, replica_id: int, status: str) -> None:
+        if not self.threaded:  # inline: nobody else to tell
+            self.status[replica_id] = status
+            return
         with self.cond:
             self.status[replica_id] = status
             if self.threaded and self.error is None:
@@ -236,7 +243,6 @@ class ReplicaRun:
     def _resume(self, replica_id: int) -> Any:
         if self.error is not None:
             raise ReplicaAborted()
-        self.status[replica_id] = "running"
         return self.sync_results.pop(replica_id)
 
     def _merge(self) -> None:
@@ -259,6 +265,9 @@ class ReplicaRun:
         finally:
             self.merging = None
         self.sync_results = dict(enumerate(results))
+        # Released now, though they wake later: a replica that finishes first must not
+        # see the others as still waiting.
+        self.status = ["running"] * self.num_replicas
 
     def _mismatch(self) -> None:
         done = [r for r, s in enumerate(self.status) if s == "done"]

@@ -25,10 +25,10 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputOptions,
                     TensorSliceDataset, ValueContext)
 from .parameters import ParameterStore, install_hooks, track_store
-from .reduce import ReduceOp, as_tensor, gather_values, reduce_values
+from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ReplicaAborted, ReplicaExecutor, ReplicaRun
-from .values import (DistributedValues, Mirrored, PerReplica, contains_distributed,
-                     local_results, map_structure, regroup, select_replica)
+from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
+                     regroup, unstack)
 from .variables import Variable
 
 __all__ = ["Strategy", "CentralStorageStrategy", "ParameterServerStrategyExtended",
@@ -173,7 +173,7 @@ class Strategy:
         """
         cross_replica_required("reduce")
         op = ReduceOp.resolve(reduce_op)
-        device = torch.get_default_device()
+        device = current_device()
         return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
             if isinstance(value, (tuple, list, dict)) else \
             self._reduce_leaf(op, value, axis, device)
@@ -195,7 +195,7 @@ class Strategy:
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the replicas' components along ``axis`` on the current device."""
         cross_replica_required("gather")
-        device = torch.get_default_device()
+        device = current_device()
 
         def leaf(v):
             if isinstance(v, DistributedValues):
@@ -384,7 +384,6 @@ class ParameterServerStrategyExtended:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple, got {type(args).__name__}")
         kwargs = kwargs or {}
-        self._check_distributed_args(args, kwargs)
         if not self._run_lock.acquire(blocking=False):
             raise RuntimeError("strategy.run cannot be nested: this strategy is already "
                                "running (e.g. run called inside merge_call's merge_fn)")
@@ -393,18 +392,10 @@ class ParameterServerStrategyExtended:
         finally:
             self._run_lock.release()
 
-    def _check_distributed_args(self, args, kwargs) -> None:
-        count = self._num_replicas_in_sync
-        for value in (args, kwargs):
-            if not contains_distributed(value):
-                continue
-            for leaf in _distributed_leaves(value):
-                if len(leaf.values) != count:
-                    raise ValueError(f"an argument holds {len(leaf.values)} per-replica values "
-                                     f"but this strategy has {count} replicas")
-
     def _call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         strategy = self._container
+        count = self._num_replicas_in_sync
+        replica_args, replica_kwargs = unstack(args, count), unstack(kwargs, count)
         servings = self._store.begin_run()
         run = ReplicaRun(self._num_replicas_in_sync, self._concurrent, None, self._executor)
         run.collectives = Collectives(run, strategy)
@@ -415,8 +406,7 @@ class ParameterServerStrategyExtended:
             entry = context._Entry(strategy, replica, servings[replica_id])
             context.push(entry)
             try:
-                a = select_replica(replica_id, args)
-                k = select_replica(replica_id, kwargs)
+                a, k = replica_args[replica_id], replica_kwargs[replica_id]
                 if streams is not None and streams[replica_id] is not None:
                     device = self._compute[replica_id].torch_device
                     with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
@@ -528,11 +518,6 @@ class ParameterServerStrategyExtended:
     def experimental_run_steps_on_iterator(self, *args, **kwargs):
         raise NotImplementedError("experimental_run_steps_on_iterator is a TF 1 graph-loop "
                                   "API; iterate a distributed dataset and call run")
-
-
-def _distributed_leaves(value: Any) -> list:
-    from .values import flatten
-    return [v for v in flatten(value) if isinstance(v, DistributedValues)]
 
 
 def _note_replica(exc: BaseException, replica_id: int, device: LogicalDevice) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "is_nest",
     "regroup",
     "select_replica",
+    "unstack",
     "contains_distributed",
     "local_results",
 ]
@@ -133,6 +134,49 @@ def select_replica(replica_id: int, value: Any) -> Any:
         return map_structure(
             lambda v: v._values[replica_id] if isinstance(v, DistributedValues) else v, value)
     return value
+
+
+def _unstack(value: Any, count: int) -> list | None:
+    """Per-replica versions of ``value``, or None when it holds no distributed leaf."""
+    if isinstance(value, DistributedValues):
+        if len(value._values) != count:
+            raise ValueError(f"an argument holds {len(value._values)} per-replica values but "
+                             f"the strategy has {count} replicas")
+        return list(value._values)
+    if isinstance(value, (tuple, list)):
+        columns = [_unstack(v, count) for v in value]
+        if all(c is None for c in columns):
+            return None
+        return [_rebuild(value, [v if c is None else c[r] for v, c in zip(value, columns)])
+                for r in range(count)]
+    if isinstance(value, dict):
+        columns = {k: _unstack(v, count) for k, v in value.items()}
+        if all(c is None for c in columns.values()):
+            return None
+        out = []
+        for r in range(count):
+            items = {k: value[k] if c is None else c[r] for k, c in columns.items()}
+            out.append(items if type(value) is dict else type(value)(items))
+        return out
+    return None
+
+
+def unstack(value: Any, count: int) -> list:
+    """``[select_replica(r, value) for r in range(count)]`` in one pass (the hot path of
+    ``run``); a value without distributed leaves is shared, not copied."""
+    if not value:
+        return [value] * count
+    if type(value) is tuple and not any(isinstance(v, (tuple, list, dict)) for v in value):
+        # The usual case: run's args as a flat tuple of tensors and PerReplicas.
+        if not any(isinstance(v, DistributedValues) for v in value):
+            return [value] * count
+        for v in value:
+            if isinstance(v, DistributedValues) and len(v._values) != count:
+                _unstack(v, count)  # raises the explanatory error
+        return [tuple([v._values[r] if isinstance(v, DistributedValues) else v for v in value])
+                for r in range(count)]
+    columns = _unstack(value, count)
+    return [value] * count if columns is None else columns
 
 
 def _structure_error(index: int, first: Any, other: Any) -> ValueError:

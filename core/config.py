@@ -1,0 +1,459 @@
+"""The run configuration: pydantic models, YAML loading with ``file:line`` errors, overrides.
+
+A config is a YAML file with six sections (``strategy``, ``dataset``, ``model``,
+``optimizer``, ``train``, ``checkpoint``), optionally changed by ``key=value`` overrides
+(dotted paths, values parsed as YAML). Precedence: **override > file > default**.
+
+Every field is documented with ``Field(description=...)``; ``docs/config.md`` is generated
+from these models (:mod:`csrun.core.config_reference`). Unknown keys are rejected.
+
+Example::
+
+    config = load_config("configs/quickstart.yaml", ["train.epochs=2", "optimizer.lr=0.01"])
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Annotated, Any, Literal, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .problems import ConfigError, Problem
+from .safe_yaml import YamlDocument, load_yaml
+
+__all__ = [
+    "RunConfig", "StrategyConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
+    "OptimizerConfig", "ScheduleConfig", "ModelConfig", "SourceConfig", "StepConfig",
+    "load_config", "load_config_text", "parse_override", "SECTIONS",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# -- strategy -----------------------------------------------------------------------------
+class StrategyConfig(_Section):
+    """Where replicas compute and where parameters live (a ``CentralStorageStrategy``)."""
+
+    compute_devices: list[str] | None = Field(
+        None, description="Devices of the replicas, one replica each, in TF or torch "
+        "spelling (`CPU:0`, `/gpu:1`, `cuda:0`). Logical CPUs `CPU:0`, `CPU:1`, ... are "
+        "distinct replicas sharing the host CPU. Default (TF's): every local GPU, else "
+        "`CPU:0`.")
+    parameter_device: str | None = Field(
+        None, description="The one device holding parameters and optimizer state. Default "
+        "(TF's): the only compute device if there is one, else `CPU:0`.")
+    execution: Literal["auto", "ordered", "concurrent"] = Field(
+        "auto", description="How replicas run: `ordered` one after another in replica "
+        "order, `concurrent` in threads, `auto` concurrent only across physical devices.")
+    copy_parameters: bool = Field(
+        False, description="Give every replica its own parameter copy even on the parameter "
+        "device (the path GPU replicas take; lets CPU-only CI exercise it).")
+
+
+# -- dataset: sources ----------------------------------------------------------------------
+class RangeSource(_Section):
+    """Integers `start, start+step, ... < stop`: each example is `x = [i]`, target `[i]`."""
+
+    kind: Literal["range"] = Field(description="`range`: integers, for checking pipelines.")
+    start: int = Field(0, description="First integer.")
+    stop: int = Field(description="End (exclusive).")
+    step: int = Field(1, description="Stride between integers (not 0).")
+
+
+class SyntheticSource(_Section):
+    """Seeded synthetic data: Gaussian class blobs or a noisy linear map."""
+
+    kind: Literal["synthetic"] = Field(description="`synthetic`: generated from `seed`.")
+    task: Literal["classification", "regression"] = Field(
+        "classification", description="Class labels (blobs) or real targets (linear map).")
+    examples: int = Field(1024, gt=0, description="Number of examples.")
+    features: int = Field(16, gt=0, description="Features per example.")
+    classes: int = Field(4, ge=2, description="Number of classes (classification).")
+    targets: int = Field(1, gt=0, description="Target values per example (regression).")
+    noise: float = Field(0.5, ge=0, description="Standard deviation of the added noise.")
+    seed: int = Field(0, description="Seed of the generator (independent of `train.seed`).")
+
+
+class FileSource(_Section):
+    """Tensors from a `.npz`, `.npy` or `.csv` file (read once, at start)."""
+
+    kind: Literal["file"] = Field(description="`file`: arrays from `path`.")
+    path: str = Field(description="`.npz`, `.npy` or `.csv` file, relative to the current "
+                      "directory.")
+    features_key: str = Field("x", description="(`.npz`) the array of features.")
+    target_key: str = Field("y", description="(`.npz`) the array of targets.")
+    target_column: int | str = Field(
+        -1, description="(`.npy`, `.csv`) the column holding the target: an index "
+        "(negative counts from the end) or, for a `.csv` with a header, a name. The other "
+        "columns are the features.")
+    task: Literal["auto", "classification", "regression"] = Field(
+        "auto", description="`auto`: classification when every target is a whole number.")
+
+
+class DigitsSource(_Section):
+    """UCI optical digits (1797 8x8 images, 10 classes), shipped with csrun (CC BY 4.0)."""
+
+    kind: Literal["digits"] = Field(description="`digits`: the bundled real dataset.")
+    layout: Literal["flat", "image"] = Field(
+        "flat", description="`flat`: 64 features; `image`: 1x8x8 (for `model.kind: cnn`).")
+    scale: bool = Field(True, description="Divide pixel values (0..16) by 16.")
+
+
+SourceConfig = Annotated[Union[RangeSource, SyntheticSource, FileSource, DigitsSource],
+                         Field(discriminator="kind")]
+
+
+# -- dataset: steps ------------------------------------------------------------------------
+class ShuffleStep(_Section):
+    """Shuffle with a buffer, as `tf.data.Dataset.shuffle` does."""
+
+    op: Literal["shuffle"] = Field(description="`shuffle`.")
+    buffer: int = Field(gt=0, description="Buffer size; at least the dataset size for a "
+                        "uniform shuffle.")
+    seed: int | None = Field(None, description="Seed; default: `train.seed`.")
+    reshuffle_each_iteration: bool = Field(True, description="A new order every epoch.")
+
+
+class BatchStep(_Section):
+    """Group consecutive elements into batches."""
+
+    op: Literal["batch"] = Field(description="`batch`.")
+    size: int = Field(gt=0, description="The *global* batch size (all replicas together). "
+                      "With `dataset.distribute: per_replica` each pipeline batches "
+                      "`size / replicas` (it must divide).")
+    drop_remainder: bool = Field(False, description="Drop a last, smaller batch.")
+
+
+class RepeatStep(_Section):
+    """Repeat what comes before (reshuffled each time)."""
+
+    op: Literal["repeat"] = Field(description="`repeat`.")
+    count: int | None = Field(None, gt=0, description="Times to repeat; null: forever "
+                              "(then use `train.steps`).")
+
+
+class TakeStep(_Section):
+    """Keep only the first `count` elements (batches, after `batch`)."""
+
+    op: Literal["take"] = Field(description="`take`.")
+    count: int = Field(ge=0, description="Elements to keep.")
+
+
+class SkipStep(_Section):
+    """Drop the first `count` elements (batches, after `batch`)."""
+
+    op: Literal["skip"] = Field(description="`skip`.")
+    count: int = Field(ge=0, description="Elements to drop.")
+
+
+class ShardStep(_Section):
+    """Keep every `num_shards`-th element, starting at `index`."""
+
+    op: Literal["shard"] = Field(description="`shard`.")
+    num_shards: int | None = Field(None, gt=0, description="Shards; null: one per input "
+                                   "pipeline (`InputContext.num_input_pipelines`).")
+    index: int | None = Field(None, ge=0, description="This shard; null: the input "
+                              "pipeline id (`InputContext.input_pipeline_id`).")
+
+
+class MapStep(_Section):
+    """Apply an importable function to each element (each batch, after `batch`)."""
+
+    op: Literal["map"] = Field(description="`map`.")
+    fn: str = Field(description="`package.module:function` taking and returning `(x, y)`.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword "
+                                   "arguments of `fn`.")
+
+
+class NormalizeStep(_Section):
+    """Features become `(x - mean) / std`."""
+
+    op: Literal["normalize"] = Field(description="`normalize`.")
+    mean: float | list[float] = Field(0.0, description="A number, or one per feature.")
+    std: float | list[float] = Field(1.0, description="A positive number, or one per "
+                                     "feature.")
+
+
+class PrefetchStep(_Section):
+    """Read ahead while the replicas compute."""
+
+    op: Literal["prefetch"] = Field(description="`prefetch`.")
+    buffer: int = Field(2, gt=0, description="Steps read ahead (the distributed iterator's "
+                        "buffer, and the DataLoader's `prefetch_factor` with workers).")
+
+
+StepConfig = Annotated[Union[ShuffleStep, BatchStep, RepeatStep, TakeStep, SkipStep,
+                             ShardStep, MapStep, NormalizeStep, PrefetchStep],
+                       Field(discriminator="op")]
+
+
+class DatasetConfig(_Section):
+    """The input pipeline: a source, then ordered steps (`tf.data` style), read by a
+    `torch.utils.data.DataLoader`."""
+
+    source: SourceConfig = Field(description="Where examples come from (`kind` picks).")
+    steps: list[StepConfig] = Field(description="Ordered pipeline steps (`op` picks); one "
+                                    "must be `batch`.")
+    holdout: float = Field(0.0, ge=0, lt=1, description="Fraction of the source held out "
+                           "for evaluation at the end (a seeded permutation, `train.seed`), "
+                           "taken before the steps.")
+    distribute: Literal["global", "per_replica"] = Field(
+        "global", description="`global`: global batches split across replicas "
+        "(`experimental_distribute_dataset`); `per_replica`: per-replica batches from "
+        "`distribute_datasets_from_function`.")
+    replication: Literal["per_worker", "per_replica"] = Field(
+        "per_worker", description="(`distribute: per_replica`) one pipeline dealing batches "
+        "to the replicas in turn, or one pipeline per replica (`InputReplicationMode`).")
+    workers: int = Field(0, ge=0, description="DataLoader worker processes (0: load in the "
+                         "main process, fastest for small in-memory data).")
+    pin_memory: bool | Literal["auto"] = Field(
+        "auto", description="Pin host batches for fast GPU copies; `auto`: when a compute "
+        "device is a GPU.")
+
+
+# -- model --------------------------------------------------------------------------------
+LossName = Literal["auto", "cross_entropy", "mse", "l1", "smooth_l1"]
+_LOSS_DESCRIPTION = ("Loss function; `auto`: `cross_entropy` for classification, `mse` for "
+                     "regression.")
+
+
+class LinearModel(_Section):
+    """One linear layer (logistic or linear regression)."""
+
+    kind: Literal["linear"] = Field(description="`linear`.")
+    bias: bool = Field(True, description="Learn a bias.")
+    loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
+
+
+class MLPModel(_Section):
+    """A multi-layer perceptron over the flattened features."""
+
+    kind: Literal["mlp"] = Field(description="`mlp`.")
+    hidden: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [64], description="Width of each hidden layer.")
+    activation: Literal["relu", "gelu", "tanh", "sigmoid"] = Field(
+        "relu", description="Activation after each hidden layer.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after each hidden layer.")
+    loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
+
+
+class CNNModel(_Section):
+    """A small convolutional network for `C x H x W` (or `H x W`) images."""
+
+    kind: Literal["cnn"] = Field(description="`cnn`.")
+    channels: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [16, 32], description="Output channels of each 3x3 "
+        "convolution (each followed by ReLU).")
+    kernel_size: int = Field(3, gt=0, description="Convolution kernel size (padding keeps "
+                             "the size).")
+    hidden: int = Field(64, gt=0, description="Width of the dense layer before the output.")
+    batch_norm: bool = Field(False, description="BatchNorm after each convolution "
+                             "(synchronized across replicas by the strategy).")
+    loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
+
+
+class ImportedModel(_Section):
+    """Any importable `torch.nn.Module` class, built in `strategy.scope()`."""
+
+    kind: Literal["import"] = Field(description="`import`.")
+    target: str = Field(description="`package.module:Class`.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Constructor keyword "
+                                   "arguments.")
+    loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
+
+
+ModelConfig = Annotated[Union[LinearModel, MLPModel, CNNModel, ImportedModel],
+                        Field(discriminator="kind")]
+
+
+# -- optimizer, train, checkpoint ---------------------------------------------------------
+class ScheduleConfig(_Section):
+    """A learning-rate schedule: any `torch.optim.lr_scheduler` class."""
+
+    name: str = Field(description="Class in `torch.optim.lr_scheduler` (`StepLR`, "
+                      "`CosineAnnealingLR`, `OneCycleLR`, ...).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Its keyword "
+                                   "arguments (not `optimizer`).")
+    interval: Literal["step", "epoch"] = Field("step", description="Call `scheduler.step()` "
+                                               "after every step or every epoch.")
+
+
+class OptimizerConfig(_Section):
+    """The optimizer: any `torch.optim` class, created in `strategy.scope()`."""
+
+    name: str = Field("SGD", description="Class in `torch.optim` (`SGD`, `Adam`, `AdamW`, "
+                      "...).")
+    lr: float = Field(0.01, gt=0, description="Learning rate.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Other keyword "
+                                   "arguments (`momentum`, `weight_decay`, ...).")
+    schedule: ScheduleConfig | None = Field(None, description="Optional learning-rate "
+                                            "schedule.")
+
+
+class TrainConfig(_Section):
+    """How long to train, and how reproducibly."""
+
+    steps: int | None = Field(None, gt=0, description="Optimizer steps to run (the "
+                              "pipeline restarts, reshuffled, when it runs out). Give "
+                              "`steps` or `epochs`.")
+    epochs: int | None = Field(None, gt=0, description="Full passes over the pipeline. "
+                               "Give `steps` or `epochs`.")
+    seed: int = Field(0, description="Seeds torch, numpy, Python's random, shuffles and "
+                      "the holdout split: same seed and config, same `params_sha256`.")
+    log_every: int = Field(50, gt=0, description="Steps between per-replica tables.")
+
+
+class CheckpointConfig(_Section):
+    """Atomic checkpoints for `--resume` and Ctrl-C."""
+
+    dir: str | None = Field(None, description="Directory of checkpoints (relative to the "
+                            "current directory); null: no checkpoints.")
+    every_steps: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at "
+                             "the end and on Ctrl-C.")
+    keep: int = Field(3, gt=0, description="How many of the newest checkpoints to keep.")
+
+
+class RunConfig(_Section):
+    """A whole run: the six sections of a csrun config file."""
+
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig,
+                                     description="Devices (`CentralStorageStrategy`).")
+    dataset: DatasetConfig = Field(description="The input pipeline.")
+    model: ModelConfig = Field(description="The model (`kind` picks) and its loss.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
+                                       description="The optimizer and LR schedule.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Length, seed, "
+                               "logging.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="Checkpoints.")
+
+
+SECTIONS = tuple(RunConfig.model_fields)
+
+
+# -- loading ------------------------------------------------------------------------------
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read, override and validate a config file; check it against this machine.
+
+    Args:
+      path: the YAML file.
+      overrides: ``key=value`` strings (dotted keys, YAML values); they win over the file.
+
+    Returns:
+      The validated :class:`RunConfig`.
+
+    Raises:
+      ConfigError: every problem found, each with its dotted path, ``file:line`` and hint.
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([Problem("", f"config file {str(path)!r} not found",
+                                   _sibling_hint(path))]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([Problem("", f"cannot read config file {str(path)!r}: {exc}")]) \
+            from None
+    return load_config_text(text, str(path), overrides)
+
+
+def load_config_text(text: str, file: str | None = None,
+                     overrides: Sequence[str] = ()) -> RunConfig:
+    """:func:`load_config` for YAML text (``file`` names it in messages)."""
+    document = load_yaml(text, file)
+    data = document.data if document.data is not None else {}
+    if not isinstance(data, dict):
+        raise ConfigError([Problem("", f"the config must be a mapping of sections "
+                                   f"({', '.join(SECTIONS)}), got {type(data).__name__}",
+                                   file=file, line=1)])
+    origins: dict = {}
+    problems = _apply_overrides(data, overrides, origins)
+    config, found = _validate(data)
+    problems += found
+    if config is not None:
+        from .preflight import preflight  # preflight imports the data/model modules
+        problems += preflight(config)
+    if problems:
+        raise ConfigError(_locate(p, document, origins) for p in problems)
+    return config
+
+
+def _sibling_hint(path: pathlib.Path) -> str | None:
+    folder = path.parent if str(path.parent) else pathlib.Path(".")
+    if not folder.is_dir():
+        return None
+    names = sorted(p.name for p in folder.glob("*.y*ml"))
+    from .problems import did_you_mean
+    return did_you_mean(path.name, names) or (
+        f"YAML files in {str(folder)!r}: {', '.join(names)}" if names else None)
+
+
+# -- overrides ----------------------------------------------------------------------------
+def parse_override(text: str) -> tuple[tuple, Any]:
+    """Split ``"a.b.0=value"`` into the key path ``("a", "b", 0)`` and the YAML value.
+
+    Raises:
+      ConfigError: no ``=``, an empty key part, or a value that is not valid YAML.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError([Problem("", f"override {text!r} is not key=value",
+                                   "write e.g. train.steps=100 or "
+                                   "strategy.compute_devices=[CPU:0,CPU:1]",
+                                   origin=f"override {text!r}")])
+    path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+    try:
+        value = load_yaml(raw, f"override {text!r}").data
+    except ConfigError as exc:
+        for problem in exc.problems:
+            problem.path, problem.origin = key, f"override {text!r}"
+        raise
+    return path, value
+
+
+def _apply_overrides(data: dict, overrides: Sequence[str], origins: dict) -> list[Problem]:
+    """Set each override in ``data``; ``origins`` maps each set path to its text."""
+    problems = []
+    for text in overrides:
+        try:
+            path, value = parse_override(text)
+            _set_path(data, path, value)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        origins[path] = f"override {text!r}"
+    return problems
+
+
+def _set_path(data: dict, path: tuple, value: Any) -> None:
+    node: Any = data
+    for depth, part in enumerate(path):
+        last = depth == len(path) - 1
+        where = ".".join(str(p) for p in path[:depth]) or "the config"
+        if isinstance(node, list) and isinstance(part, int):
+            if part > len(node):
+                raise _override_error(path, f"{where} has {len(node)} items; index {part} "
+                                      "is past the end", f"use 0..{len(node)} ({len(node)} "
+                                      "appends)")
+            if part == len(node):
+                node.append({} if not last else None)
+        elif isinstance(node, dict):
+            if not last and not isinstance(node.get(part), (dict, list)):
+                node[part] = {}
+        else:
+            raise _override_error(path, f"{where} is a value ({node!r:.40}), not a section "
+                                  "or list", None)
+        if last:
+            node[part] = value
+        else:
+            node = node[part]
+
+
+def _override_error(path: tuple, message: str, hint: str | None) -> ConfigError:
+    key = ".".join(str(p) for p in path)
+    return ConfigError([Problem(key, message, hint)])
