@@ -137,9 +137,10 @@ class ReplicaContext:
             return total / ctx.num_replicas_in_sync
     """
 
-    def __init__(self, strategy, replica_id: int, run=None):
+    def __init__(self, strategy, replica_id: int, run=None, local_id: int | None = None):
         self.strategy = strategy
-        self._replica_id = replica_id
+        self._replica_id = replica_id  # in the whole sync group (all workers)
+        self._local_id = replica_id if local_id is None else local_id  # on this worker
         self._run = run  # the ReplicaRun that synchronizes replicas; None: default context
 
     @property
@@ -153,29 +154,28 @@ class ReplicaContext:
     @property
     def devices(self) -> tuple[str, ...]:
         """The canonical name of this replica's device, as a 1-tuple (TF's form)."""
-        return (self.strategy.extended.worker_devices[self._replica_id],)
+        return (self.strategy.extended.worker_devices[self._local_id],)
 
     @property
     def device(self):
         """The :class:`torch.device` that holds this replica's tensors."""
-        return self.strategy.extended._compute[self._replica_id].torch_device
+        return self.strategy.extended._compute[self._local_id].torch_device
 
     def all_reduce(self, reduce_op: Any, value: Any) -> Any:
-        """Reduce ``value`` (a nest of tensors) over all replicas; each gets the result.
-
-        Differentiable: the gradient flows back to every replica's input.
+        """Reduce ``value`` (a nest of tensors) over the replicas of this machine; each gets
+        the result. Differentiable: the gradient flows back to every replica's input.
         """
         from .reduce import ReduceOp
         op = ReduceOp.resolve(reduce_op)
         if self._run is None:
             return value
-        return self._run.collectives.all_reduce(self._replica_id, op, value)
+        return self._run.collectives.all_reduce(self._local_id, op, value)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` (a nest of tensors) of every replica along ``axis``."""
         if self._run is None:
             return value
-        return self._run.collectives.all_gather(self._replica_id, value, axis)
+        return self._run.collectives.all_gather(self._local_id, value, axis)
 
     def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: dict | None = None):
         """Call ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
@@ -186,7 +186,7 @@ class ReplicaContext:
         """
         if self._run is None:
             return merge_fn(self.strategy, *args, **(kwargs or {}))
-        return self._run.collectives.merge_call(self._replica_id, merge_fn, args, kwargs or {})
+        return self._run.collectives.merge_call(self._local_id, merge_fn, args, kwargs or {})
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "

@@ -386,7 +386,17 @@ class _DistributedBase:
 
     @property
     def _num_replicas(self) -> int:
+        """Replicas on this machine (each step yields this many components)."""
+        return self._strategy.extended._num_local_replicas
+
+    @property
+    def _total_replicas(self) -> int:
+        """Replicas of the whole sync group (all workers of a cluster)."""
         return self._strategy.num_replicas_in_sync
+
+    @property
+    def _offset(self) -> int:
+        return self._strategy.extended._replica_offset
 
     def __iter__(self) -> DistributedIterator:
         feeder = self._strategy.extended._input_feeder(self._options)
@@ -448,10 +458,11 @@ class DistributedDataset(_DistributedBase):
         return iter(self._dataset)
 
     def _producer(self, feeder) -> Callable[[Iterator], Any]:
-        num_replicas = self._num_replicas
+        total, first, count = self._total_replicas, self._offset, self._num_replicas
 
         def produce(source: Iterator) -> Any:
-            return feeder.place(split_batch(next(source), num_replicas))
+            # In a cluster every worker reads each global batch and keeps its replicas' part.
+            return feeder.place(split_batch(next(source), total)[first:first + count])
         return produce
 
     @property
@@ -475,11 +486,12 @@ class DistributedDatasetsFromFunction(_DistributedBase):
                              is InputReplicationMode.PER_REPLICA)
 
     def _datasets(self) -> list:
-        r = self._num_replicas
+        total, first = self._total_replicas, self._offset
         if self._per_replica:
-            contexts = [InputContext(r, i, r) for i in range(r)]
+            contexts = [InputContext(total, first + i, total) for i in range(self._num_replicas)]
         else:
-            contexts = [InputContext(1, 0, r)]
+            workers = total // self._num_replicas
+            contexts = [InputContext(workers, first // self._num_replicas, total)]
         return [_check_iterable(self._dataset_fn(ctx), "dataset_fn's result") for ctx in contexts]
 
     def _source_iterator(self) -> Iterator:

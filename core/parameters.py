@@ -156,6 +156,7 @@ class ParameterStore:
         self._modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._tensors: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
             weakref.WeakValueDictionary()
+        self._order: dict[int, int] = {}  # id -> creation sequence number
         self._generation = 0
         self._lock = threading.Lock()
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
@@ -187,11 +188,20 @@ class ParameterStore:
             if self._tensors.get(id(tensor)) is not tensor:
                 self._tensors[id(tensor)] = tensor
                 self._generation += 1
+                self._order[id(tensor)] = self._generation
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tracked central tensors, in registration order of their ids."""
+        """The tracked central tensors in creation order (TF places variables in it)."""
         with self._lock:
-            return [t for _, t in sorted(self._tensors.items())]
+            alive = [(self._order[i], t) for i, t in self._tensors.items()]
+        return [t for _, t in sorted(alive, key=lambda pair: pair[0])]
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return self._tensors.get(id(tensor)) is tensor
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called before any ``optimizer.step()``: collect gradients still on replicas."""
+        self.flush_pending()
 
     @property
     def generation(self) -> int:
@@ -436,7 +446,7 @@ def _before_optimizer_step(optimizer, args, kwargs):
             "(cross-replica context), where the replicas' gradients have been summed -- or "
             "inside get_replica_context().merge_call(lambda strategy: optimizer.step())")
     for store in list(_live_stores):
-        store.flush_pending()
+        store.before_optimizer_step(optimizer)
     return None
 
 

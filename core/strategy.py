@@ -181,7 +181,7 @@ class Strategy:
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None, device) -> Any:
         if isinstance(value, DistributedValues):
             return reduce_values(op, value.values, axis, device)
-        replicas = self.num_replicas_in_sync
+        replicas = self._extended._num_local_replicas
         if axis is None:
             if op is ReduceOp.MEAN or replicas == 1 or _is_zero(value):
                 return value
@@ -205,7 +205,7 @@ class Strategy:
 
     def experimental_local_results(self, value: Any) -> tuple:
         """The per-replica components of ``value`` as a tuple (``(value,)`` if plain)."""
-        return local_results(value, self.num_replicas_in_sync)
+        return local_results(value, self._extended._num_local_replicas)
 
     def unwrap(self, value: Any) -> tuple:
         """TF v1 name of :meth:`experimental_local_results`."""
@@ -234,9 +234,10 @@ class Strategy:
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
         """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf)."""
-        count = self.num_replicas_in_sync
-        values = [value_fn(ValueContext(r, count)) for r in range(count)]
-        if count == 1:
+        ext = self._extended
+        values = [value_fn(ValueContext(ext._replica_offset + r, self.num_replicas_in_sync))
+                  for r in range(ext._num_local_replicas)]
+        if len(values) == 1:
             return map_structure(lambda v: PerReplica([v]), values[0])
         return regroup(values, collapse_identical=False)
 
@@ -324,7 +325,8 @@ class ParameterServerStrategyExtended:
 
     def __init__(self, container: Strategy, compute: list[LogicalDevice],
                  parameter: LogicalDevice, parameter_spelling: str,
-                 options: StrategyOptions | None = None, cluster_resolver=None):
+                 options: StrategyOptions | None = None, cluster_resolver=None,
+                 num_workers: int = 1, worker_index: int = 0, store: ParameterStore | None = None):
         install_hooks()
         self._container = container
         self._compute = compute
@@ -332,8 +334,11 @@ class ParameterServerStrategyExtended:
         self._parameter_spelling = parameter_spelling
         self.options = options if options is not None else StrategyOptions()
         self._cluster_resolver = cluster_resolver
-        self._num_replicas_in_sync = len(compute)
-        self._store = ParameterStore(parameter, compute, self.options.copy_parameters)
+        self._num_local_replicas = len(compute)
+        self._replica_offset = worker_index * len(compute)
+        self._num_replicas_in_sync = num_workers * len(compute)
+        self._store = store if store is not None else ParameterStore(
+            parameter, compute, self.options.copy_parameters)
         track_store(self._store)
         self._executor = ReplicaExecutor(f"csrun-{id(self):x}")
         self._executor.close_with(container)
@@ -394,15 +399,15 @@ class ParameterServerStrategyExtended:
 
     def _call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         strategy = self._container
-        count = self._num_replicas_in_sync
+        count = self._num_local_replicas
         replica_args, replica_kwargs = unstack(args, count), unstack(kwargs, count)
         servings = self._store.begin_run()
-        run = ReplicaRun(self._num_replicas_in_sync, self._concurrent, None, self._executor)
+        run = ReplicaRun(count, self._concurrent, None, self._executor)
         run.collectives = Collectives(run, strategy)
         streams = self._replica_streams()
 
         def body(replica_id: int) -> Any:
-            replica = ReplicaContext(strategy, replica_id, run)
+            replica = ReplicaContext(strategy, self._replica_offset + replica_id, run, replica_id)
             entry = context._Entry(strategy, replica, servings[replica_id])
             context.push(entry)
             try:
@@ -581,6 +586,8 @@ class _DefaultExtended:
     worker_devices = ["/job:localhost/replica:0/task:0/device:CPU:0"]
     parameter_devices = ("/job:localhost/replica:0/task:0/device:CPU:0",)
     _num_replicas_in_sync = 1
+    _num_local_replicas = 1
+    _replica_offset = 0
     _cluster_resolver = None
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):

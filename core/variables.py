@@ -212,7 +212,7 @@ class Variable:
     def _update(self, op: str, value: Any) -> Any:
         entry = context.current_entry()
         replica = entry.replica
-        if replica is None or replica._run is None or replica.num_replicas_in_sync == 1:
+        if replica is None or replica._run is None or replica._run.num_replicas == 1:
             _apply(self._tensor, op, self._as_update(value))
             return self if replica is None else self.value()
 
@@ -221,8 +221,7 @@ class Variable:
             _apply(self._tensor, op, self._as_update(combined))
             return [None] * len(values)
 
-        replica._run.collectives.custom(replica.replica_id_in_sync_group,
-                                        f"{op} of {self.name}", value, merge)
+        replica._run.collectives.custom(replica._local_id, f"{op} of {self.name}", value, merge)
         return self.value()
 
     def _as_update(self, value: Any) -> torch.Tensor:

@@ -1,0 +1,322 @@
+"""ParameterServerStrategy: the central-storage engine with its storage on ``ps`` tasks.
+
+Without a cluster it *is* local central storage, as in TF. With one (from a cluster
+resolver, an explicit ``cluster_spec`` + ``task_type`` + ``task_id``, or ``TF_CONFIG``):
+
+* a **worker** (or the chief) runs the same engine over its local replicas: parameters
+  are served from a local copy, gradients are summed locally, and ``optimizer.step()``
+  pushes them to the parameter servers and pulls the new values (synchronous inside a
+  worker, asynchronous between workers);
+* a **ps** task calls ``strategy.extended.join()`` and serves its shard until the chief
+  ends the job.
+
+Variables are placed round-robin over the ps tasks in creation order (TF's rule), or
+balanced by size with ``variable_placement="balanced"``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .cluster import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
+from .devices import LogicalDevice, resolve_devices
+from .parameter_server import ParameterServer, ParameterServerClient, placement
+from .parameters import ParameterStore
+from .strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
+
+__all__ = ["ParameterServerStrategy"]
+
+
+class RemoteParameterStore(ParameterStore):
+    """A worker's parameter store whose central copy lives on the parameter servers."""
+
+    def __init__(self, parameter_device, compute_devices, copy_parameters,
+                 client: ParameterServerClient, variable_placement: str):
+        super().__init__(parameter_device, compute_devices, copy_parameters)
+        self.client = client
+        self.variable_placement = variable_placement
+        self._ids: dict = {}          # central tensor -> variable id (creation order)
+        self._owner: list[int] = []   # variable id -> ps task
+        self._optimizer = None
+        self.colocations: dict = {}   # tensor -> tensor whose ps it must share
+
+    def begin_run(self):
+        self.ensure_registered()
+        return super().begin_run()
+
+    def ensure_registered(self) -> None:
+        """Give every new variable an id and a ps; the first worker's values win."""
+        tensors = self.tensors()
+        if len(tensors) == len(self._ids):
+            return
+        index = {t: i for i, t in enumerate(tensors)}
+        colocate = {index[t]: index[c] for t, c in self.colocations.items()
+                    if t in index and c in index}
+        self._owner = placement([t.numel() * t.element_size() for t in tensors],
+                                self.client.num_ps, self.variable_placement, colocate)
+        self._ids = index
+        shards: list[list] = [[] for _ in range(self.client.num_ps)]
+        for tensor, var_id in index.items():
+            shards[self._owner[var_id]].append((var_id, tensor, 0))
+        self.client.register(shards)
+
+    def shard_of(self, tensor: torch.Tensor) -> int:
+        """The ps task that holds ``tensor``."""
+        self.ensure_registered()
+        return self._owner[self._ids[tensor]]
+
+    def _values_by_ps(self) -> list[list[torch.Tensor]]:
+        values: list[list] = [[] for _ in range(self.client.num_ps)]
+        for tensor, var_id in sorted(self._ids.items(), key=lambda item: item[1]):
+            values[self._owner[var_id]].append(tensor)
+        return values
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.flush_pending()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(self.owns(p) for p in params):
+            return
+        self.ensure_registered()
+        if self._optimizer is None:
+            groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
+                      for p in group["params"] if p in self._ids}
+            self.client.register_optimizer(optimizer, groups)
+            self._optimizer = optimizer
+        elif optimizer is not self._optimizer:
+            raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
+                               "its state lives on the parameter servers")
+        shards: list[list] = [[] for _ in range(self.client.num_ps)]
+        for p in params:
+            if p.grad is not None and p in self._ids:
+                shards[self._owner[self._ids[p]]].append((self._ids[p], p.grad))
+        lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.client.push_pull(shards, lrs, self._values_by_ps())
+        for p in params:  # updated remotely: the local step must do nothing
+            p.grad = None
+        self.client.count_step()
+
+    def pull(self) -> None:
+        self.ensure_registered()
+        self.client.pull(self._values_by_ps())
+
+
+class ParameterServerClusterExtended(ParameterServerStrategyExtended):
+    """The engine of a ParameterServerStrategy task (worker, chief or ps)."""
+
+    def __init__(self, container, compute, parameter, options, resolver: ClusterResolver | None,
+                 variable_placement: str, timeout: float):
+        self._resolver = resolver
+        self._ps_server: ParameterServer | None = None
+        self._task_type = resolver.task_type if resolver else None
+        self._task_id = resolver.task_id if resolver else None
+        store = None
+        workers, index = 1, 0
+        if resolver is not None:
+            spec = resolver.cluster_spec()
+            self._worker_tasks = ([f"chief:0"] if spec.num_tasks("chief") else []) + \
+                [f"worker:{i}" for i in range(spec.num_tasks("worker"))]
+            workers = len(self._worker_tasks)
+            me = f"{self._task_type}:{self._task_id}"
+            if self._task_type == "ps":
+                self._ps_server = ParameterServer(resolver, timeout)
+            elif me in self._worker_tasks:
+                index = self._worker_tasks.index(me)
+                client = ParameterServerClient(resolver, timeout)
+                store = RemoteParameterStore(parameter, compute, options.copy_parameters,
+                                             client, variable_placement)
+            else:
+                raise ValueError(f"task type {self._task_type!r} cannot train; tasks are "
+                                 "chief, worker or ps")
+        super().__init__(container, compute, parameter, parameter.name, options,
+                         cluster_resolver=resolver, num_workers=workers, worker_index=index,
+                         store=store)
+        if resolver is not None:
+            self._compute = [LogicalDevice(d.kind, d.index, self._task_type, self._task_id)
+                             for d in compute]
+
+    # -- roles -----------------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        """The chief task, or worker 0 when the cluster has none (it checkpoints and logs)."""
+        if self._resolver is None:
+            return True
+        return self._task_type == "chief" or (
+            self._task_type == "worker" and self._task_id == 0
+            and "chief:0" not in self._worker_tasks)
+
+    @property
+    def should_checkpoint(self) -> bool:
+        return self.is_chief
+
+    should_save_summary = should_checkpoint
+    experimental_should_init = should_checkpoint
+
+    @property
+    def is_ps(self) -> bool:
+        return self._ps_server is not None
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        if self._resolver is None:
+            return (self._parameter_spelling,)
+        count = self._resolver.cluster_spec().num_tasks("ps")
+        return tuple(f"/job:ps/replica:0/task:{k}/device:CPU:0" for k in range(count))
+
+    def _remote(self) -> RemoteParameterStore:
+        if not isinstance(self._store, RemoteParameterStore):
+            raise RuntimeError("this task has no parameter servers to talk to")
+        return self._store
+
+    # -- cluster operations ----------------------------------------------------------------
+    def join(self) -> None:
+        """On a ps task: serve variables until the chief ends the job."""
+        if self._ps_server is None:
+            raise RuntimeError(f"join() serves variables on ps tasks; this is "
+                               f"{self._task_type}:{self._task_id}")
+        self._ps_server.serve()
+
+    def variable_device(self, tensor: torch.Tensor) -> str:
+        """Where a variable lives: ``/job:ps/replica:0/task:k/device:CPU:0``."""
+        return f"/job:ps/replica:0/task:{self._remote().shard_of(tensor)}/device:CPU:0"
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps applied by all workers together (kept with ps:0's store)."""
+        return self._remote().client.global_step
+
+    def pull(self) -> None:
+        """Fetch the current values of every variable from the parameter servers."""
+        self._remote().pull()
+
+    def ps_state(self) -> list[dict]:
+        """Every ps shard's values and optimizer state (for the chief's checkpoints)."""
+        self._remote().ensure_registered()
+        return self._remote().client.state()
+
+    def load_ps_state(self, states: list[dict]) -> None:
+        """Restore the parameter servers from :meth:`ps_state` output."""
+        self._remote().ensure_registered()
+        self._remote().client.load(states)
+        self.pull()
+
+    def lost_workers(self) -> dict[str, str]:
+        return self._remote().client.lost_workers()
+
+    def finish(self, timeout: float = 600.0,
+               report: Callable[[str, str], None] | None = None) -> list[str]:
+        """End this worker's part; the chief also waits for the others and ends the job.
+
+        Returns the workers that were lost (chief only).
+        """
+        client = self._remote().client
+        client.finish()
+        if not self.is_chief:
+            return []
+        me = f"{self._task_type}:{self._task_id}"
+        others = [t for t in self._worker_tasks if t != me]
+        lost = client.wait_for_workers(others, timeout, report)
+        self.ps_logs = client.end_job()
+        return lost
+
+    def colocate_vars_with(self, colocate_with_variable: Any):
+        return _Colocation(self._store, colocate_with_variable)
+
+
+class _Colocation:
+    """Variables created inside go to the ps of ``target`` (TF's colocate_vars_with)."""
+
+    def __init__(self, store: ParameterStore, target: Any):
+        self._store, self._target = store, getattr(target, "tensor", target)
+        self._before: set = set()
+
+    def __enter__(self):
+        self._before = set(id(t) for t in self._store.tensors())
+        return self
+
+    def __exit__(self, *exc):
+        if isinstance(self._store, RemoteParameterStore):
+            for tensor in self._store.tensors():
+                if id(tensor) not in self._before:
+                    self._store.colocations[tensor] = self._target
+
+
+def _resolve_cluster(cluster_resolver, cluster_spec, task_type, task_id):
+    if cluster_resolver is not None:
+        if cluster_spec is not None:
+            raise ValueError("give either cluster_resolver or cluster_spec, not both")
+        return cluster_resolver
+    if cluster_spec is not None:
+        return SimpleClusterResolver(cluster_spec, task_type, task_id)
+    if task_type is not None or task_id is not None:
+        raise ValueError("task_type and task_id need a cluster_spec")
+    if os.environ.get("TF_CONFIG", "").strip():
+        return TFConfigClusterResolver()
+    return None
+
+
+class ParameterServerStrategy(Strategy):
+    """TF's (contrib) ParameterServerStrategy over ``torch.distributed``.
+
+    Args:
+      cluster_resolver: where the cluster and this task come from (default: ``TF_CONFIG``
+        when set, else no cluster -- local central storage).
+      num_gpus_per_worker: local GPUs each worker replicates over (0: the CPU).
+      cluster_spec, task_type, task_id: the cluster given directly (TF's ``configure``
+        arguments); a spec without task_type or task_id is a ValueError, as in TF.
+      compute_devices: the local replicas' devices instead of ``num_gpus_per_worker``
+        (e.g. ``["CPU:0", "CPU:1"]`` for two logical CPU replicas per worker).
+      variable_placement: ``"round_robin"`` (TF) or ``"balanced"`` (by size).
+      timeout: seconds to wait for the parameter servers.
+      options: csrun engine settings.
+
+    Example (a worker; the same program runs on every task with its own ``TF_CONFIG``)::
+
+        strategy = ParameterServerStrategy()
+        if strategy.extended.is_ps:
+            strategy.extended.join()
+        else:
+            with strategy.scope():
+                model, opt = build()
+            ...  # the usual run / optimizer.step() loop
+            strategy.extended.finish()
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 num_gpus_per_worker: int = 0, *, cluster_spec=None, task_type=None,
+                 task_id=None, compute_devices: Iterable | None = None,
+                 variable_placement: str = "round_robin", timeout: float = 120.0,
+                 options: StrategyOptions | None = None):
+        resolver = _resolve_cluster(cluster_resolver, cluster_spec, task_type, task_id)
+        if compute_devices is not None:
+            compute = resolve_devices(compute_devices)
+        elif num_gpus_per_worker:
+            compute = resolve_devices([f"GPU:{i}" for i in range(num_gpus_per_worker)])
+        else:
+            compute = resolve_devices(["CPU:0"])
+        parameter = compute[0] if (len(compute) == 1 and resolver is None) \
+            else LogicalDevice("CPU", 0)
+        if variable_placement not in ("round_robin", "balanced"):
+            raise ValueError(f"variable_placement must be 'round_robin' or 'balanced', got "
+                             f"{variable_placement!r}")
+        super().__init__(ParameterServerClusterExtended(
+            self, compute, parameter, options or StrategyOptions(), resolver,
+            variable_placement, timeout))
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
+        if session_config is not None:
+            raise NotImplementedError("session_config configures a TF session; PyTorch has "
+                                      "no sessions. Pass the cluster to the constructor.")
+        if cluster_spec is not None:
+            raise NotImplementedError("a ParameterServerStrategy connects to its cluster "
+                                      "when constructed; pass cluster_spec, task_type and "
+                                      "task_id to ParameterServerStrategy(...)")
+        return None
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        if self._extended.is_ps:
+            raise RuntimeError("a ps task does not run replicas; call "
+                               "strategy.extended.join() to serve variables")
+        return super().run(fn, args, kwargs, options)
