@@ -1,0 +1,146 @@
+"""ParameterServerStrategy with real processes on loopback: 1 ps + 2 workers."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TASK = Path(__file__).with_name("ps_task.py")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, workers: int = 2, ps: int = 1):
+        ports = _free_ports(workers + ps)
+        self.spec = {"worker": [f"localhost:{p}" for p in ports[:workers]],
+                     "ps": [f"localhost:{p}" for p in ports[workers:]]}
+        self.tmp = tmp_path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, job: str, index: int, steps: int = 30, die_at: int = -1,
+              sleep: float = 0.01, tag: str = "", hold: str = "") -> subprocess.Popen:
+        env = dict(os.environ, PS_STEPS=str(steps), PS_DIE_AT=str(die_at), PS_SLEEP=str(sleep),
+                   PS_HOLD=hold,
+                   PS_RESULT=str(self.tmp / f"{job}{index}{tag}.json"),
+                   TF_CONFIG=json.dumps({"cluster": self.spec,
+                                         "task": {"type": job, "index": index}}))
+        proc = subprocess.Popen([sys.executable, str(TASK)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        self.procs[f"{job}{index}{tag}"] = proc
+        return proc
+
+    def wait_progress(self, name: str, steps: int, timeout: float = 90) -> None:
+        """Wait until task ``name`` has finished ``steps`` training steps."""
+        path = self.tmp / f"{name}.json.progress"
+        deadline = time.monotonic() + timeout
+        while not (path.exists() and path.read_text() and int(path.read_text()) >= steps):
+            assert time.monotonic() < deadline, f"{name} made no progress"
+            assert self.procs[name].poll() is None, self.procs[name].communicate()[1]
+            time.sleep(0.05)
+
+    def result(self, name: str) -> dict:
+        return json.loads((self.tmp / f"{name}.json").read_text())
+
+    def wait(self, name: str, timeout: float = 90) -> tuple[int, str]:
+        out, err = self.procs[name].communicate(timeout=timeout)
+        return self.procs[name].returncode, err
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+@pytest.mark.timeout(180)
+def test_loss_falls_variables_on_ps_updates_interleave(cluster):
+    cluster.start("ps", 0)
+    cluster.start("worker", 0, steps=40)
+    cluster.start("worker", 1, steps=40)
+    for name in ("worker0", "worker1", "ps0"):
+        code, err = cluster.wait(name)
+        assert code == 0, err
+    chief, other = cluster.result("worker0"), cluster.result("worker1")
+    for result in (chief, other):
+        assert result["losses"][-1] < 0.25 * result["losses"][0]
+        assert result["placement"] == ["/job:ps/replica:0/task:0/device:CPU:0"] * 4
+    (log,) = chief["logs"]
+    workers = [w for w, _ in log]
+    assert workers.count("worker:0") == 40 and workers.count("worker:1") == 40
+    assert [v for _, v in log] == list(range(1, 81))
+    # Asynchronous and interleaved: each worker's first push lands before the other's
+    # last one, and the ps switches between them many times.
+    def last(w):
+        return len(workers) - 1 - workers[::-1].index(w)
+    assert workers.index("worker:1") < last("worker:0")
+    assert workers.index("worker:0") < last("worker:1")
+    assert sum(a != b for a, b in zip(workers, workers[1:])) >= 10
+    assert chief["lost"] == []
+
+
+@pytest.mark.timeout(180)
+def test_killed_worker_lets_the_others_finish(cluster):
+    cluster.start("ps", 0)
+    cluster.start("worker", 0, steps=40, sleep=0.02)
+    cluster.start("worker", 1, steps=40, die_at=5, sleep=0.02)
+    assert cluster.wait("worker1")[0] == 3
+    code, err = cluster.wait("worker0")
+    assert code == 0, err
+    assert cluster.wait("ps0")[0] == 0
+    chief = cluster.result("worker0")
+    assert chief["lost"] == ["worker:1"] and chief["reported"] == ["worker:1"]
+    assert len(chief["losses"]) == 40
+
+
+@pytest.mark.timeout(180)
+def test_dead_ps_stops_workers_with_a_clear_error(cluster):
+    ps = cluster.start("ps", 0)
+    cluster.start("worker", 0, steps=100000, sleep=0.02)
+    cluster.start("worker", 1, steps=100000, sleep=0.02)
+    cluster.wait_progress("worker0", 5)
+    cluster.wait_progress("worker1", 5)
+    ps.kill()
+    for name in ("worker0", "worker1"):
+        code, err = cluster.wait(name)
+        assert code == 1
+        assert "parameter server ps:0" in err and "cannot go on" in err
+        assert "Traceback" not in err
+
+
+@pytest.mark.timeout(180)
+def test_restarted_worker_rejoins(cluster, tmp_path):
+    hold = tmp_path / "release-chief"
+    cluster.start("ps", 0)
+    cluster.start("worker", 0, steps=20, sleep=0.02, hold=str(hold))
+    cluster.start("worker", 1, steps=60, die_at=4, sleep=0.02)
+    assert cluster.wait("worker1")[0] == 3
+    cluster.start("worker", 1, steps=10, sleep=0.02, tag="b")
+    assert cluster.wait("worker1b")[0] == 0
+    hold.touch()
+    code, err = cluster.wait("worker0")
+    assert code == 0, err
+    chief = cluster.result("worker0")
+    (log,) = chief["logs"]
+    # The first incarnation pushed 5 updates before dying, the restarted one 10.
+    assert [w for w, _ in log].count("worker:1") == 15 and len(log) == 35
+    assert chief["lost"] == []  # it finished after all
