@@ -26,6 +26,7 @@ class _Group:
         dtype = tensors[0].dtype
         self.flat = torch.empty(total, dtype=dtype, device=device)
         self.staging = None
+        self.copied = None  # an event: the last copy out of ``staging`` has finished
         if device.type == "cuda" and param_device.type == "cpu":
             self.staging = torch.empty(total, dtype=dtype, pin_memory=True)
         self.leaves = []
@@ -43,8 +44,12 @@ class _Group:
         with torch.no_grad():
             flat = [t.detach().reshape(-1) for t in self.tensors]
             if self.staging is not None:
+                if self.copied is not None:  # the last non-blocking copy may still read it
+                    self.copied.synchronize()
                 torch.cat(flat, out=self.staging)
                 self.flat.copy_(self.staging, non_blocking=True)
+                self.copied = torch.cuda.Event()
+                self.copied.record()
             elif self.flat.device == self.tensors[0].device:
                 torch.cat(flat, out=self.flat)
             else:

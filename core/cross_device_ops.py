@@ -37,12 +37,26 @@ def _check_tensors(kind: str, leaves: list) -> None:
 class Collectives:
     """The collectives of one run, bound to its rendezvous and the strategy's devices."""
 
-    def __init__(self, run, strategy):
+    def __init__(self, run, strategy, streams: list | None = None):
         self._run = run
         self._strategy = strategy
         extended = strategy.extended
         self._reduce_device = extended._parameter.torch_device
         self._devices = [d.torch_device for d in extended._compute]
+        self._streams = streams  # the replicas' CUDA streams, None without GPU replicas
+
+    def _settle(self) -> None:
+        """Wait for every GPU replica's queued work (and ours): a merge reads tensors made on
+        other replicas' streams and hands back tensors they will read on theirs. A host
+        wait is the simple, safe order; collectives are synchronizing points anyway."""
+        if self._streams is None:
+            return
+        for stream in self._streams:
+            if stream is not None:
+                stream.synchronize()
+        for device in {d for d in self._devices if d.type == "cuda"} | (
+                {self._reduce_device} if self._reduce_device.type == "cuda" else set()):
+            torch.cuda.current_stream(device).synchronize()
 
     # -- helpers -------------------------------------------------------------------------
     def _spread(self, result: torch.Tensor) -> list:
@@ -61,11 +75,13 @@ class Collectives:
         if len(counts) > 1:
             raise ValueError(f"{kind}: replicas passed nests with different numbers of "
                              f"tensors ({[len(p) for p in payloads]})")
+        self._settle()
         per_replica = [[] for _ in payloads]
         for position in range(len(payloads[0])):
             combined = combine([p[position] for p in payloads])
             for replica_id, copy in enumerate(self._spread(combined)):
                 per_replica[replica_id].append(copy)
+        self._settle()
         return per_replica
 
     # -- all_reduce ----------------------------------------------------------------------
@@ -115,10 +131,12 @@ class Collectives:
             merged_kwargs = regroup([p[1] for p in payloads])
             entry = context._Entry(strategy)
             context.push(entry)
+            self._settle()
             try:
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
             finally:
                 context.pop(entry)
+            self._settle()
             return [select_replica(r, result) for r in range(len(payloads))]
 
         return self._run.sync(replica_id, "merge_call", (tuple(args), dict(kwargs)), merge)
@@ -126,7 +144,12 @@ class Collectives:
     def custom(self, replica_id: int, kind: str, payload: Any,
                merge: Callable[[list], list]) -> Any:
         """A rendezvous with a caller-defined merge (variable updates use it)."""
-        return self._run.sync(replica_id, kind, payload, merge)
+        def settled(payloads):
+            self._settle()
+            results = merge(payloads)
+            self._settle()
+            return results
+        return self._run.sync(replica_id, kind, payload, settled)
 
 
 class _AllReduce(torch.autograd.Function):

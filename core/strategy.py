@@ -403,8 +403,9 @@ class ParameterServerStrategyExtended:
         replica_args, replica_kwargs = unstack(args, count), unstack(kwargs, count)
         servings = self._store.begin_run()
         run = ReplicaRun(count, self._concurrent, None, self._executor)
-        run.collectives = Collectives(run, strategy)
         streams = self._replica_streams()
+        run.collectives = Collectives(run, strategy, streams)
+        self._start_streams(streams)
 
         def body(replica_id: int) -> Any:
             replica = ReplicaContext(strategy, self._replica_offset + replica_id, run, replica_id)
@@ -442,6 +443,19 @@ class ParameterServerStrategyExtended:
             self._streams = [torch.cuda.Stream(d.torch_device) if d.is_gpu else None
                              for d in self._compute]
         return self._streams
+
+    def _start_streams(self, streams) -> None:
+        """Each replica's stream waits for work the caller queued (optimizer updates,
+        arguments) on its own device and on the parameter device."""
+        if streams is None:
+            return
+        param = self._parameter.torch_device
+        for device, stream in zip(self._compute, streams):
+            if stream is None:
+                continue
+            stream.wait_stream(torch.cuda.current_stream(device.torch_device))
+            if param.type == "cuda" and param != device.torch_device:
+                stream.wait_stream(torch.cuda.current_stream(param))
 
     def _join_streams(self, streams) -> None:
         if streams is None:

@@ -1,0 +1,270 @@
+"""csrun against plain PyTorch, measured side by side in one process.
+
+Every round runs each variant for ``--steps`` training steps in turn (plain, csrun with 1,
+2 and 4 logical CPU replicas, ...), so drift of the machine hits all variants alike; the
+report gives the median examples/s of each variant and the median over rounds of the
+paired ratio csrun / plain of the same round.
+
+    python benchmarks/throughput.py                 # full run, table + JSON + PNG
+    python benchmarks/throughput.py --quick         # a smoke run (CI uses it)
+
+Also measured: the engine's own cost per step (an empty replica function through ``run``
+and ``reduce``), the input path (a distributed dataset against a plain DataLoader over the
+same data) and, when CUDA is present, the per-step parameter/gradient transfer time
+against the PCIe bound and one GPU step against plain PyTorch on that GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import csrun.core as cs
+
+MODELS = {
+    "mlp": dict(shape=(784,), classes=10, batch=256),
+    "convnet": dict(shape=(1, 28, 28), classes=10, batch=128),
+}
+
+
+def build(name: str) -> nn.Module:
+    if name == "mlp":  # 784-512-512-10: about 4 MFLOP per example for forward+backward
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 10))
+    return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 5 * 5, 10))
+
+
+def batches(name: str, steps: int, device="cpu") -> list:
+    spec = MODELS[name]
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(spec["batch"], *spec["shape"], generator=g).to(device),
+             torch.randint(0, spec["classes"], (spec["batch"],), generator=g).to(device))
+            for _ in range(steps)]
+
+
+def plain_loop(name: str, data: list, device="cpu") -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = build(name).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run() -> None:
+        losses = []
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.stack(losses).sum().item()
+    return run
+
+
+def csrun_loop(name: str, data: list, devices: list[str], parameter: str,
+               **options) -> Callable[[], None]:
+    strategy = cs.CentralStorageStrategy(devices, parameter,
+                                         options=cs.StrategyOptions(**options))
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = build(name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dist = strategy.experimental_distribute_dataset(data)
+
+    def step(x, y, n):
+        loss = F.cross_entropy(model(x), y, reduction="sum") / n
+        loss.backward()
+        return loss.detach()
+
+    def run() -> None:
+        losses = []
+        for x, y in dist:
+            opt.zero_grad(set_to_none=True)
+            n = MODELS[name]["batch"]
+            losses.append(strategy.reduce("SUM", strategy.run(step, args=(x, y, n))))
+            opt.step()
+        torch.stack(losses).sum().item()
+    return run
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def interleaved(variants: dict, examples: int, rounds: int) -> dict:
+    """Run the variants in turn, ``rounds`` times; return their rates and paired ratios."""
+    for fn in variants.values():  # warm-up: allocator, threads, kernels
+        fn()
+    rates: dict = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            rates[name].append(examples / timed(fn))
+    base = rates["plain"]
+    out = {}
+    for name, values in rates.items():
+        ratios = [v / b for v, b in zip(values, base)]
+        out[name] = {"examples_per_s": statistics.median(values),
+                     "ratio_vs_plain": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    return out
+
+
+def engine_overhead(replicas: int, steps: int, rounds: int) -> float:
+    """Median µs per step of an empty replica function through run + reduce."""
+    strategy = cs.CentralStorageStrategy([f"CPU:{i}" for i in range(replicas)], "CPU:0")
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
+
+    def empty(x):
+        return x
+
+    def loop():
+        for _ in range(steps):
+            strategy.reduce("SUM", strategy.run(empty, args=(value,)))
+    loop()
+    return statistics.median(timed(loop) / steps * 1e6 for _ in range(rounds))
+
+
+def input_path(replicas: int, rounds: int) -> dict:
+    """Examples/s of iterating a distributed DataLoader vs the same plain DataLoader."""
+    g = torch.Generator().manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(torch.randn(16384, 784, generator=g),
+                                             torch.randint(0, 10, (16384,), generator=g))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=256)
+    strategy = cs.CentralStorageStrategy([f"CPU:{i}" for i in range(replicas)], "CPU:0")
+    dist = strategy.experimental_distribute_dataset(loader)
+
+    def drain(iterable):
+        return lambda: [None for _ in iterable]
+    return interleaved({"plain": drain(loader), "csrun": drain(dist)}, len(dataset), rounds)
+
+
+def gpu_section(rounds: int, steps: int) -> dict:
+    """Transfer time per step against the PCIe bound, and one GPU step vs plain."""
+    out: dict = {"device": torch.cuda.get_device_name(0)}
+    size = 256 << 20
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    seconds = statistics.median(timed(lambda: dev.copy_(host, non_blocking=True))
+                                for _ in range(5))
+    out["h2d_GBps"] = size / seconds / 1e9
+    data = batches("mlp", steps, "cuda")
+    variants = {"plain": plain_loop("mlp", data, "cuda"),
+                "csrun_gpu_params": csrun_loop("mlp", data, ["GPU:0"], "GPU:0"),
+                "csrun_cpu_params": csrun_loop("mlp", data, ["GPU:0"], "CPU:0")}
+    out["steps"] = interleaved(variants, steps * MODELS["mlp"]["batch"], rounds)
+    params = sum(p.numel() * 4 for p in build("mlp").parameters())
+    out["bytes_per_step"] = 2 * params  # parameters to the GPU, gradients back
+    out["pcie_bound_ms"] = out["bytes_per_step"] / (out["h2d_GBps"] * 1e9) * 1e3
+    plain_ms = 1e3 * MODELS["mlp"]["batch"] / out["steps"]["plain"]["examples_per_s"]
+    cpu_ms = 1e3 * MODELS["mlp"]["batch"] / out["steps"]["csrun_cpu_params"]["examples_per_s"]
+    out["transfer_overhead_ms"] = cpu_ms - plain_ms
+    return out
+
+
+def measure(args) -> dict:
+    result: dict = {"python": platform.python_version(), "torch": torch.__version__,
+                    "cpu_threads": torch.get_num_threads(), "rounds": args.rounds,
+                    "steps_per_round": args.steps, "models": {}}
+    for name in args.models:
+        data = batches(name, args.steps)
+        variants = {"plain": plain_loop(name, data)}
+        for r in args.replicas:
+            variants[f"csrun_R{r}"] = csrun_loop(name, data, [f"CPU:{i}" for i in range(r)],
+                                                 "CPU:0")
+        examples = args.steps * MODELS[name]["batch"]
+        result["models"][name] = interleaved(variants, examples, args.rounds)
+    result["engine_overhead_us"] = {f"R{r}": engine_overhead(r, 200, args.rounds)
+                                    for r in args.replicas}
+    result["input_path_R2"] = input_path(2, args.rounds)
+    if torch.cuda.is_available():
+        result["gpu"] = gpu_section(args.rounds, args.steps)
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [f"torch {result['torch']}, {result['cpu_threads']} CPU threads, "
+             f"{result['rounds']} interleaved rounds of {result['steps_per_round']} steps",
+             f"{'model':10s} {'variant':12s} {'examples/s':>12s} {'csrun/plain':>12s} "
+             f"{'(min..max)':>14s}"]
+    for model, variants in result["models"].items():
+        for name, v in variants.items():
+            lines.append(f"{model:10s} {name:12s} {v['examples_per_s']:12.0f} "
+                         f"{v['ratio_vs_plain']:12.3f} "
+                         f"{v['ratio_min']:6.3f}..{v['ratio_max']:.3f}")
+    lines.append("engine overhead per step (empty fn, run + reduce): " + ", ".join(
+        f"{k} {v:.1f} µs" for k, v in result["engine_overhead_us"].items()))
+    path = result["input_path_R2"]
+    lines.append(f"input path, 2 replicas: csrun {path['csrun']['examples_per_s']:.0f} ex/s vs "
+                 f"DataLoader {path['plain']['examples_per_s']:.0f} ex/s "
+                 f"(ratio {path['csrun']['ratio_vs_plain']:.3f})")
+    if "gpu" in result:
+        gpu = result["gpu"]
+        lines.append(f"GPU {gpu['device']}: H2D {gpu['h2d_GBps']:.1f} GB/s; transfer overhead "
+                     f"{gpu['transfer_overhead_ms']:.3f} ms/step vs PCIe bound "
+                     f"{gpu['pcie_bound_ms']:.3f} ms; steps: " + ", ".join(
+                         f"{k} {v['ratio_vs_plain']:.3f}x" for k, v in gpu["steps"].items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = list(result["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        variants = result["models"][model]
+        names = list(variants)
+        ratios = [variants[n]["ratio_vs_plain"] for n in names]
+        ax.bar(names, ratios, color=["grey"] + ["tab:blue"] * (len(names) - 1))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{model}: throughput / plain PyTorch")
+        ax.set_ylim(0, max(1.1, max(ratios) * 1.1))
+        for i, r in enumerate(ratios):
+            ax.text(i, r + 0.02, f"{r:.2f}", ha="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10, help="training steps per round")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/performance.png"))
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 2, 2
+    result = measure(args)
+    print(report(result))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    if plot(result, args.plot):
+        print(f"chart: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
