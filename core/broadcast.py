@@ -67,15 +67,25 @@ class DeviceMirror:
         self._leaf_of: dict = {}
         self._generation = -1
 
-    def refresh(self, store) -> None:
-        """Bring every leaf up to date with the central tensors (copies only what changed)."""
-        if store.generation != self._generation:
+    def refresh(self, store, reset_grads: bool = True) -> None:
+        """Bring every leaf up to date with the central tensors (copies only what changed).
+
+        ``reset_grads`` starts a new run; a refresh in the middle of a run (after a merge
+        updated parameters) keeps the gradients the leaves already hold.
+        """
+        if store.generation != self._generation or self._layout_changed():
             self._build(store.tensors())
             self._generation = store.generation
         for group in self._groups:
             group.refresh()
-            for leaf in group.leaves:
-                leaf.grad = None
+            if reset_grads:
+                for leaf in group.leaves:
+                    leaf.grad = None
+
+    def _layout_changed(self) -> bool:
+        """A central tensor changed dtype or size (e.g. ``model.double()``)."""
+        return any(t.dtype != leaf.dtype or t.shape != leaf.shape
+                   for group in self._groups for t, leaf in zip(group.tensors, group.leaves))
 
     def _build(self, tensors: list) -> None:
         by_dtype: dict = {}

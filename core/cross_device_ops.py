@@ -59,6 +59,11 @@ class Collectives:
             torch.cuda.current_stream(device).synchronize()
 
     # -- helpers -------------------------------------------------------------------------
+    def _invalidate_copies(self) -> None:
+        """A merge may have updated central values: copies must refresh before next use."""
+        for serving in self._run.servings:
+            serving.invalidate()
+
     def _spread(self, result: torch.Tensor) -> list:
         """One copy of ``result`` per replica, each on its replica's device."""
         copies, seen = [], set()
@@ -137,6 +142,7 @@ class Collectives:
             finally:
                 context.pop(entry)
             self._settle()
+            self._invalidate_copies()
             return [select_replica(r, result) for r in range(len(payloads))]
 
         return self._run.sync(replica_id, "merge_call", (tuple(args), dict(kwargs)), merge)
@@ -148,6 +154,7 @@ class Collectives:
             self._settle()
             results = merge(payloads)
             self._settle()
+            self._invalidate_copies()
             return results
         return self._run.sync(replica_id, kind, payload, settled)
 

@@ -223,7 +223,10 @@ def _check_exists(device: LogicalDevice, spec: object) -> None:
 
 def resolve_device(spec: object, *, check: bool = True) -> LogicalDevice:
     """Parse ``spec`` and, with ``check``, make sure the device exists on this machine."""
-    device = parse_device(spec)
+    try:
+        device = parse_device(spec)
+    except DeviceError as exc:
+        raise DeviceError(f"{exc}; {_available_hint()}") from None
     if check:
         _check_exists(device, spec)
     return device
@@ -242,14 +245,14 @@ def resolve_devices(specs: object, what: str = "compute_devices") -> list[Logica
                         f"{specs!r}")
     specs = list(specs)
     if not specs:
-        raise DeviceError(f"{what} is empty; give at least one device ({_available_hint()})")
+        raise DeviceError(f"{what} is empty; give at least one device; {_available_hint()}")
     devices = [resolve_device(s) for s in specs]
     seen: dict[LogicalDevice, object] = {}
     for spec, device in zip(specs, devices):
         if device in seen:
             raise DeviceError(
                 f"{what} lists {device.short_name} twice ({seen[device]!r} and {spec!r}); "
-                "each replica needs its own device"
+                f"each replica needs its own device; {_available_hint()}"
             )
         seen[device] = spec
     return devices

@@ -240,13 +240,13 @@ class ParameterStore:
     def _aggregate_buffers(self, servings: list["ReplicaServing"]) -> None:
         keys: dict = {}
         for serving in servings:
-            for key in serving.buffers:
-                keys.setdefault(key, None)
+            for key, entry in serving.buffers.items():
+                keys.setdefault(key, entry[3])
         if not keys:
             return
         with torch.no_grad():
-            for key in keys:
-                owner, name = key
+            for key, owner in keys.items():
+                name = key[1]
                 central = dict.__getitem__(owner, name)
                 copies = [s.written_buffer(key) for s in servings]
                 if all(c is None for c in copies):
@@ -291,7 +291,8 @@ class ParameterStore:
 class ReplicaServing:
     """What one replica of one run has been served, and what it wrote."""
 
-    __slots__ = ("store", "replica_id", "device", "copies", "params", "buffers", "_mirror")
+    __slots__ = ("store", "replica_id", "device", "copies", "params", "buffers", "_mirror",
+                 "_stale")
 
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
@@ -299,8 +300,10 @@ class ReplicaServing:
         self.device = store.compute_devices[replica_id].torch_device
         self.copies = store.copies[replica_id]
         self.params: dict = {}   # central tensor -> leaf served this run
-        self.buffers: dict = {}  # (owner dict, name) -> [copy, version at serve, assigned]
+        # (id of owner dict, name) -> [copy, version at serve, assigned, owner dict]
+        self.buffers: dict = {}
         self._mirror = None
+        self._stale = False  # a merge may have changed central values since they were copied
 
     def serve(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
         if owner._kind == "parameter":
@@ -308,20 +311,42 @@ class ReplicaServing:
             if leaf is None:
                 self.store.check_device(value, owner.path(name))
                 leaf = self._leaf(value)
+            elif self._stale:
+                self._refresh_copies()
             return leaf
         return self._buffer(owner, name, value)
 
     def serve_tensor(self, central: torch.Tensor) -> torch.Tensor:
         """The replica's leaf for a tracked tensor that is not in a module (a Variable)."""
         leaf = self.params.get(central)
-        return leaf if leaf is not None else self._leaf(central)
+        if leaf is None:
+            return self._leaf(central)
+        if self._stale:
+            self._refresh_copies()
+        return leaf
+
+    def invalidate(self) -> None:
+        """Central values may have changed in cross-replica context (a merge_call)."""
+        if self.copies and self._mirror is not None:
+            self._stale = True
+
+    def _refresh_copies(self) -> None:
+        self._stale = False
+        with torch.no_grad():
+            self._mirror.refresh(self.store, reset_grads=False)
 
     def _leaf(self, central: torch.Tensor) -> torch.Tensor:
         if self.copies:
             if self._mirror is None:
                 self._mirror = self.store.mirror(self.replica_id)
                 self._mirror.refresh(self.store)
-            leaf = self._mirror.leaf(central)
+            elif self._stale:
+                self._refresh_copies()
+            try:
+                leaf = self._mirror.leaf(central)
+            except KeyError:  # registered after this run's first copy
+                self._refresh_copies()
+                leaf = self._mirror.leaf(central)
         else:
             leaf = self.store.alias(self.replica_id, central)
             leaf.grad = None
@@ -329,26 +354,38 @@ class ReplicaServing:
         return leaf
 
     def _buffer(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
-        key = (owner, name)
+        key = (id(owner), name)  # dicts are unhashable; the entry keeps the owner alive
         entry = self.buffers.get(key)
         if entry is None:
             copy = value.to(self.device, copy=True)
-            entry = self.buffers[key] = [copy, copy._version, False]
+            entry = self.buffers[key] = [copy, copy._version, False, owner]
         return entry[0]
 
     def assign(self, owner: ServedDict, name: str, value) -> None:
         if owner._kind == "parameter":
+            if not dict.__contains__(owner, name):  # a module created inside the replica
+                dict.__setitem__(owner, name, value)
+                return
             raise RuntimeError(
                 f"cannot replace parameter {owner.path(name)} inside a replica: parameters "
                 "are updated once, in cross-replica context (optimizer.step() after run)")
-        self.buffers[(owner, name)] = [value, None, True]
+        self.buffers[(id(owner), name)] = [value, None, True, owner]
 
     def written_buffer(self, key) -> torch.Tensor | None:
+        """This replica's copy of a buffer if the replica changed it, else None.
+
+        Native kernels (BatchNorm's running statistics) write in place without bumping the
+        version counter, so an unchanged version is confirmed by comparing values; a copy
+        equal to the central value contributes nothing under any aggregation anyway.
+        """
         entry = self.buffers.get(key)
         if entry is None:
             return None
-        copy, version, assigned = entry
-        return copy if assigned or copy._version != version else None
+        copy, version, assigned, owner = entry
+        if assigned or copy._version != version:
+            return copy
+        central = dict.__getitem__(owner, key[1])
+        return None if torch.equal(copy.to(central.device), central) else copy
 
     def flush_grads(self) -> None:
         """Move this replica's new leaf gradients into the central ``.grad``."""

@@ -32,7 +32,8 @@ def current_device() -> torch.device:
     context is active, which is the common case.
     """
     holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
-    if holder is None or getattr(holder, "device_context", None) is None:
+    if ((holder is None or getattr(holder, "device_context", None) is None)
+            and torch._C._len_torch_function_stack() == 0):  # no `with torch.device(...)`
         return _CPU
     return torch.get_default_device()
 

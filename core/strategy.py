@@ -403,6 +403,7 @@ class ParameterServerStrategyExtended:
         replica_args, replica_kwargs = unstack(args, count), unstack(kwargs, count)
         servings = self._store.begin_run()
         run = ReplicaRun(count, self._concurrent, None, self._executor)
+        run.servings = servings
         streams = self._replica_streams()
         run.collectives = Collectives(run, strategy, streams)
         self._start_streams(streams)
