@@ -208,8 +208,16 @@ class ParameterStore:
         return self._generation
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` on the parameter device (the same object when already there)."""
-        return tensor if tensor.device == self._torch_param else tensor.to(self._torch_param)
+        """``tensor`` on the parameter device (the same object when already there).
+
+        A ``meta`` tensor has no data to copy: it becomes uninitialized storage, which the
+        module's own initialization fills right after registration.
+        """
+        if tensor.device == self._torch_param:
+            return tensor
+        if tensor.is_meta:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=self._torch_param)
+        return tensor.to(self._torch_param)
 
     # -- runs ----------------------------------------------------------------------------
     def begin_run(self) -> list["ReplicaServing"]:

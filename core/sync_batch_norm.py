@@ -61,7 +61,7 @@ def synchronized_batch_norm(module: _BatchNorm, input: torch.Tensor, replica) ->
     local_count = compute.numel() // channels if channels else 0
     count = compute.new_tensor([local_count])
     total = replica.all_reduce(ReduceOp.SUM, torch.cat([compute.sum(dims), count]))
-    n = float(total[-1])
+    n = float(total[-1].detach())
     if n <= 1:
         raise ValueError(f"BatchNorm needs more than 1 value per channel when training, "
                          f"got a global batch of {int(n)} over all replicas")

@@ -177,10 +177,10 @@ class Variable:
         return self._tensor.detach().cpu().numpy()
 
     def __float__(self) -> float:
-        return float(self._tensor)
+        return float(self._tensor.detach())
 
     def __int__(self) -> int:
-        return int(self._tensor)
+        return int(self._tensor.detach())
 
     def __repr__(self) -> str:
         return (f"<csrun.core.Variable '{self.name}' shape={tuple(self.shape)} "

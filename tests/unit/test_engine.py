@@ -1,0 +1,309 @@
+"""Engine behaviour beyond TF's recorded cases: threads, errors, gradients, buffers, input."""
+
+import gc
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import csrun.core as cs
+
+
+def _strategy(n=2, **options):
+    return cs.CentralStorageStrategy([f"CPU:{i}" for i in range(n)], "CPU:0",
+                                     options=cs.StrategyOptions(**options))
+
+
+def _rid():
+    return cs.get_replica_context().replica_id_in_sync_group
+
+
+# -- execution ----------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_concurrent_mode_runs_replicas_at_once():
+    strategy = _strategy(3, execution="concurrent")
+    barrier = threading.Barrier(3, timeout=10)
+    results = strategy.run(lambda: (barrier.wait(), _rid())[1])  # passes only if concurrent
+    assert strategy.experimental_local_results(results) == (0, 1, 2)
+
+
+def test_ordered_mode_keeps_tf_order_across_rendezvous():
+    strategy = _strategy(3)
+    order = []
+
+    def fn():
+        order.append(("before", _rid()))
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+        order.append(("after", _rid()))
+    strategy.run(fn)
+    assert order == [("before", r) for r in range(3)] + [("after", r) for r in range(3)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+def test_error_names_replica_and_device_and_nothing_hangs(execution):
+    strategy = _strategy(3, execution=execution)
+
+    def fn():
+        ctx = cs.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            raise KeyError("boom")
+        ctx.all_reduce("SUM", torch.tensor(1.0))  # the others wait here, then are aborted
+        return 1
+    with pytest.raises(KeyError) as info:
+        strategy.run(fn)
+    assert info.value.csrun_replica_id == 1
+    assert info.value.csrun_device == "/job:localhost/replica:0/task:0/device:CPU:1"
+    assert "replica 1 on /job:localhost/replica:0/task:0/device:CPU:1" in info.value.__notes__[0]
+    # The strategy is still usable and its workers are idle, not stuck.
+    assert strategy.experimental_local_results(strategy.run(lambda: 7)) == (7,)
+    assert strategy.reduce("SUM", strategy.run(
+        lambda: cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))), axis=None) == 9
+
+
+def test_worker_threads_end_with_their_strategy():
+    before = threading.active_count()
+    for _ in range(5):
+        strategy = _strategy(3)
+        strategy.run(lambda: cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0)))
+        assert strategy.extended._executor.num_threads == 2
+        del strategy
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+
+
+def test_workers_inherit_grad_mode_of_the_caller():
+    strategy = _strategy(2)
+
+    def fn():
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))  # forces worker threads
+        return [_rid(), torch.is_grad_enabled()]
+    with torch.no_grad():
+        assert strategy.experimental_local_results(strategy.run(fn)) == ([0, False], [1, False])
+    assert strategy.experimental_local_results(strategy.run(fn)) == ([0, True], [1, True])
+
+
+def test_run_cannot_nest_and_reduce_needs_cross_replica_context():
+    strategy = _strategy(2)
+    with pytest.raises(RuntimeError, match="cross-replica"):
+        strategy.run(lambda: strategy.run(lambda: 1))
+    with pytest.raises(RuntimeError, match="nested"):
+        strategy.run(lambda: cs.get_replica_context().merge_call(lambda s: s.run(lambda: 1)))
+
+
+def test_per_replica_argument_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="3 per-replica values"):
+        _strategy(2).run(lambda x: x, args=(cs.PerReplica([1, 2, 3]),))
+
+
+# -- parameters and gradients -------------------------------------------------------------
+@pytest.mark.parametrize("copy", [False, True])
+def test_gradients_from_a_backward_after_run_reach_the_optimizer(copy):
+    strategy = _strategy(2, copy_parameters=copy)
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1, bias=False)
+        opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.full((1, 2), float(ctx.replica_id_in_sync_group + 1)))
+    outputs = strategy.run(lambda v: layer(v).sum(), args=(x,))
+    strategy.reduce("SUM", outputs).backward()  # in cross-replica context, after run
+    opt.step()  # collects the replicas' pending gradients first
+    assert layer.weight.tolist() == [[-2.0, -2.0]]  # 1 - (1 + 2)
+
+
+def test_optimizer_step_inside_a_replica_is_refused_with_advice():
+    strategy = _strategy(2)
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="after run"):
+        strategy.run(lambda: opt.step())
+
+
+def test_optimizer_step_inside_merge_call_is_seen_by_copy_replicas():
+    strategy = _strategy(2, copy_parameters=True)
+    with strategy.scope():
+        layer = torch.nn.Linear(1, 1, bias=False)
+        opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+
+    def fn():
+        before = layer.weight.item()
+        layer.weight.sum().backward()
+        cs.get_replica_context().merge_call(lambda s: opt.step())
+        return before, layer.weight.item()
+    # Gradients are summed when run returns, so inside merge_call the step sees no gradient
+    # yet; what matters here is that every replica re-reads the central value after it.
+    results = strategy.experimental_local_results(strategy.run(fn))
+    assert results == ((1.0, 1.0), (1.0, 1.0))
+    opt.step()
+    assert layer.weight.item() == -1.0
+
+
+def test_model_moved_after_scope_is_refused_clearly():
+    strategy = _strategy(2)
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1)
+    layer.to(torch.float64)  # same device: allowed, copies follow
+    assert strategy.run(lambda: layer(torch.ones(1, 2, dtype=torch.float64)).dtype) is torch.float64
+    layer.to("meta")
+    with pytest.raises(RuntimeError, match="must not be moved"):
+        strategy.run(lambda: layer(torch.ones(1, 2)))
+
+
+def test_parameters_created_in_scope_land_on_the_parameter_device():
+    strategy = _strategy(2)
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1, device="meta")  # asks for another device
+    assert layer.weight.device.type == "cpu" and isinstance(layer.weight, torch.nn.Parameter)
+
+
+# -- buffers ------------------------------------------------------------------------------
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return x
+
+
+@pytest.mark.parametrize("aggregation, expected", [
+    ("SUM", 10.0), ("MEAN", 5.0), ("ONLY_FIRST_REPLICA", 6.0)])
+def test_buffer_written_in_replicas_is_aggregated(aggregation, expected):
+    strategy = _strategy(2)
+    with strategy.scope():
+        counter = Counter()
+    cs.set_aggregation(counter, "seen", aggregation)
+    batch = list(torch.arange(12.0).split(12))  # 6 + 6 examples per replica
+    for x in strategy.experimental_distribute_dataset(batch):
+        strategy.run(counter, args=(x,))
+    # SUM adds both replicas' increments: 6 + 6; MEAN and ONLY_FIRST take one replica's.
+    assert counter.seen.item() == {"SUM": 12.0, "MEAN": 6.0, "ONLY_FIRST_REPLICA": 6.0}[
+        aggregation]
+    del expected
+
+
+def test_buffer_with_aggregation_none_written_in_replicas_is_an_error():
+    strategy = _strategy(2)
+    with strategy.scope():
+        counter = Counter()
+    cs.set_aggregation(counter, "seen", cs.VariableAggregation.NONE)
+    with pytest.raises(ValueError, match="Counter.seen.*aggregation is NONE"):
+        strategy.run(counter, args=(torch.ones(1),))
+    assert counter.seen.item() == 0.0
+
+
+def test_default_buffer_aggregations():
+    assert cs.get_aggregation(None, "x", torch.zeros(1)) is cs.VariableAggregation.MEAN
+    assert cs.get_aggregation(None, "n", torch.zeros(1, dtype=torch.long)) is \
+        cs.VariableAggregation.ONLY_FIRST_REPLICA
+    with pytest.raises(KeyError, match="no buffer 'nope'"):
+        cs.set_aggregation(Counter(), "nope", "SUM")
+    with pytest.raises(ValueError, match="aggregation must be"):
+        cs.set_aggregation(Counter(), "seen", "MAX")
+
+
+def test_buffer_reassigned_inside_a_replica():
+    strategy = _strategy(2)
+    with strategy.scope():
+        module = Counter()
+
+    def fn():
+        module.seen = torch.tensor(float(_rid() + 1))  # replaces the buffer
+    strategy.run(fn)
+    assert module.seen.item() == 1.5  # MEAN of 1 and 2
+
+
+# -- input --------------------------------------------------------------------------------
+def test_dataloader_with_worker_processes():
+    strategy = _strategy(2)
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2)
+    steps = [[[t.tolist() for t in strategy.experimental_local_results(part)] for part in step]
+             for step in strategy.experimental_distribute_dataset(loader)]
+    assert steps[0] == [[[0.0, 1.0], [2.0, 3.0]], [[0, 1], [2, 3]]]
+    assert steps[-1] == [[[8.0], [9.0]], [[8], [9]]]
+
+
+@pytest.mark.timeout(30)
+def test_breaking_out_of_a_loop_stops_the_reader_thread():
+    strategy = _strategy(2)
+    before = threading.active_count()
+
+    def endless():
+        while True:
+            yield torch.zeros(4, 2)
+    for i, _ in enumerate(strategy.experimental_distribute_dataset(endless())):
+        if i == 3:
+            break
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+
+
+def test_error_in_the_dataset_reaches_the_loop():
+    strategy = _strategy(2)
+
+    def broken():
+        yield torch.zeros(2, 1)
+        raise OSError("disk gone")
+    it = iter(strategy.experimental_distribute_dataset(broken()))
+    next(it)
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+
+
+def test_unsplittable_batches_are_explained():
+    strategy = _strategy(2)
+    with pytest.raises(ValueError, match="different batch sizes"):
+        next(iter(strategy.experimental_distribute_dataset([(torch.zeros(4), torch.zeros(3))])))
+    with pytest.raises(TypeError, match="must hold tensors"):
+        next(iter(strategy.experimental_distribute_dataset([["a", "b"]])))
+
+
+def test_dropped_last_round_warns_every_pass():
+    strategy = _strategy(2)
+    dist = strategy.distribute_datasets_from_function(
+        lambda ctx: list(torch.arange(6).split(2)))  # 3 batches for 2 replicas
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="dropped them \\(2 examples\\)"):
+            assert len(list(dist)) == 1
+
+
+def test_training_loop_uses_each_batch_once():
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = torch.nn.Linear(3, 1)
+    seen = []
+    data = list(torch.arange(24.0).reshape(8, 3).split(4))
+    for x in strategy.experimental_distribute_dataset(data):
+        out = strategy.run(lambda v: (seen.append(v.sum().item()), model(v).sum())[1], args=(x,))
+        assert isinstance(out, cs.PerReplica)
+    assert sum(seen) == torch.arange(24.0).sum().item()
+
+
+def test_no_warnings_in_a_normal_training_step():
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        opt = torch.optim.Adam(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in strategy.experimental_distribute_dataset([torch.randn(8, 3)] * 2):
+            opt.zero_grad()
+            strategy.run(lambda v: F.mse_loss(model(v), torch.zeros(4, 4)).backward(),
+                         args=(x,))
+            opt.step()
