@@ -63,6 +63,9 @@ class ReduceOp(enum.Enum):
         """Turn a ReduceOp or its name into a ReduceOp, with a clear error otherwise."""
         if isinstance(op, ReduceOp):
             return op
+        known = _SPELLINGS.get(op) if isinstance(op, str) else None
+        if known is not None:
+            return known
         if isinstance(op, str):
             try:
                 return cls[op.upper()]
@@ -71,6 +74,9 @@ class ReduceOp(enum.Enum):
                     from None
         raise TypeError(f"reduce_op must be a ReduceOp or 'SUM'/'MEAN', got {type(op).__name__} "
                         f"{op!r}")
+
+
+_SPELLINGS = {name: op for op in ReduceOp for name in (op.value, op.value.lower())}
 
 
 def as_tensor(value: Any) -> torch.Tensor:
@@ -111,8 +117,8 @@ def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
     """Reduce one value per replica into a tensor on ``device`` (None: leave in place)."""
     tensors = [_to(as_tensor(v), device) for v in values]
     if axis is None:
-        shapes = {tuple(t.shape) for t in tensors}
-        if len(shapes) > 1:
+        shape = tensors[0].shape
+        if any(t.shape != shape for t in tensors[1:]):
             listed = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
             raise ValueError(
                 f"cannot reduce across replicas with axis=None: the shapes differ ({listed}); "

@@ -67,6 +67,34 @@ class _ThreadState:
             return self._with_autocast(pending, fn)
 
 
+class _LazyCondition:
+    """A Condition made on first use: most runs never leave the calling thread, and
+    building one costs more than the rest of an empty run."""
+
+    __slots__ = ("_cond",)
+
+    def __init__(self):
+        self._cond = None
+
+    def _get(self) -> threading.Condition:
+        if self._cond is None:
+            self._cond = threading.Condition(threading.Lock())
+        return self._cond
+
+    def __enter__(self):
+        return self._get().__enter__()
+
+    def __exit__(self, *exc):
+        return self._cond.__exit__(*exc)
+
+    def wait_for(self, predicate, timeout=None):
+        return self._get().wait_for(predicate, timeout)
+
+    def notify_all(self) -> None:
+        if self._cond is not None:
+            self._cond.notify_all()
+
+
 class ReplicaRun:
     """One call of ``body(replica_id)`` on every replica, with rendezvous between them.
 
@@ -83,7 +111,7 @@ class ReplicaRun:
         self.concurrent = concurrent and num_replicas > 1
         self.body = body
         self.executor = executor
-        self.cond = threading.Condition(threading.Lock())
+        self.cond = _LazyCondition()
         self.results: list = [None] * num_replicas
         self.status = ["new"] * num_replicas
         self.error: tuple[int | None, BaseException] | None = None

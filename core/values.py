@@ -166,15 +166,21 @@ def unstack(value: Any, count: int) -> list:
     ``run``); a value without distributed leaves is shared, not copied."""
     if not value:
         return [value] * count
-    if type(value) is tuple and not any(isinstance(v, (tuple, list, dict)) for v in value):
-        # The usual case: run's args as a flat tuple of tensors and PerReplicas.
-        if not any(isinstance(v, DistributedValues) for v in value):
-            return [value] * count
+    if type(value) is tuple:  # the usual case: run's args, a flat tuple
+        flat, distributed = True, False
         for v in value:
-            if isinstance(v, DistributedValues) and len(v._values) != count:
-                _unstack(v, count)  # raises the explanatory error
-        return [tuple([v._values[r] if isinstance(v, DistributedValues) else v for v in value])
-                for r in range(count)]
+            if isinstance(v, DistributedValues):
+                distributed = True
+                if len(v._values) != count:
+                    _unstack(v, count)  # raises the explanatory error
+            elif isinstance(v, (tuple, list, dict)):
+                flat = False
+                break
+        if flat:
+            if not distributed:
+                return [value] * count
+            return [tuple([v._values[r] if isinstance(v, DistributedValues) else v
+                           for v in value]) for r in range(count)]
     columns = _unstack(value, count)
     return [value] * count if columns is None else columns
 
@@ -206,6 +212,15 @@ def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
     first = per_replica[0]
     if len(per_replica) == 1:
         return first
+    if not isinstance(first, (tuple, list, dict)):  # a leaf: the common case
+        if collapse_identical and all(v is first for v in per_replica):
+            return first
+        if any(isinstance(v, (tuple, list, dict)) for v in per_replica):
+            raise _structure_error(next(i for i, v in enumerate(per_replica)
+                                        if isinstance(v, (tuple, list, dict))),
+                                   first, next(v for v in per_replica
+                                               if isinstance(v, (tuple, list, dict))))
+        return wrap(per_replica)
     if isinstance(first, dict):
         for i, other in enumerate(per_replica[1:], 1):
             if not isinstance(other, dict) or other.keys() != first.keys():
