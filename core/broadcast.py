@@ -103,24 +103,45 @@ class DeviceMirror:
             raise KeyError("csrun: a served tensor is not tracked by its strategy")
         return leaf
 
-    def take_grads(self, served: dict) -> tuple[list, list]:
-        """Central tensors and their gradients (on the parameter device), one copy per dtype.
+    def start_grads(self, served: dict) -> list:
+        """Start moving this replica's new gradients to the parameter device.
 
+        One coalesced copy per dtype; from a GPU to a CPU parameter device it is a
+        non-blocking copy into fresh pinned memory (the caching host allocator makes that
+        cheap), so the copies of several GPUs overlap. :func:`finish_grads` waits for them.
         Only leaves that were served in the run and received a gradient take part.
         """
-        centrals, grads = [], []
+        transfers = []
         for group in self._groups:
             pairs = [(t, leaf) for t, leaf in zip(group.tensors, group.leaves)
                      if leaf.grad is not None and t in served]
             if not pairs:
                 continue
             flat = torch.cat([leaf.grad.reshape(-1) for _, leaf in pairs])
-            flat = flat.to(self.param_device)
-            offset = 0
-            for tensor, leaf in pairs:
-                numel = tensor.numel()
-                centrals.append(tensor)
-                grads.append(flat[offset:offset + numel].view(tensor.shape))
-                offset += numel
+            for _, leaf in pairs:
                 leaf.grad = None
-        return centrals, grads
+            if flat.device.type == "cuda" and self.param_device.type == "cpu":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                transfers.append(([t for t, _ in pairs], host, event))
+            else:
+                transfers.append(([t for t, _ in pairs], flat.to(self.param_device), None))
+        return transfers
+
+
+def finish_grads(transfers: list) -> tuple[list, list]:
+    """Wait for :meth:`DeviceMirror.start_grads` copies; the central tensors and their
+    gradients, each gradient a view of its arrived flat buffer."""
+    centrals, grads = [], []
+    for tensors, flat, event in transfers:
+        if event is not None:
+            event.synchronize()
+        offset = 0
+        for tensor in tensors:
+            numel = tensor.numel()
+            centrals.append(tensor)
+            grads.append(flat[offset:offset + numel].view(tensor.shape))
+            offset += numel
+    return centrals, grads

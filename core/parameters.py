@@ -237,13 +237,18 @@ class ParameterStore:
         self._pending = []
 
     def flush_pending(self) -> None:
-        """Add gradients that replicas' leaves received since the last flush."""
+        """Add gradients that replicas' leaves received since the last flush.
+
+        Every replica's transfer starts before any is waited for (so copies from several
+        devices overlap); they are added in replica order, so the sum is deterministic.
+        """
         pending = [s for s in self._pending if s.params]
         if not pending:
             return
         with torch.no_grad():
-            for serving in pending:
-                serving.flush_grads()
+            started = [serving.start_grads() for serving in pending]
+            for serving, transfers in zip(pending, started):
+                accumulate(*serving.finish_grads(transfers))
 
     def _aggregate_buffers(self, servings: list["ReplicaServing"]) -> None:
         keys: dict = {}
@@ -395,20 +400,24 @@ class ReplicaServing:
         central = dict.__getitem__(owner, key[1])
         return None if torch.equal(copy.to(central.device), central) else copy
 
-    def flush_grads(self) -> None:
-        """Move this replica's new leaf gradients into the central ``.grad``."""
-        if not self.params:
-            return
+    def start_grads(self):
+        """Take this replica's new leaf gradients (copies start moving to the parameter
+        device; aliases are already there)."""
         if self.copies:
-            centrals, grads = self._mirror.take_grads(self.params)
-        else:
-            centrals, grads = [], []
-            for central, leaf in self.params.items():
-                if leaf.grad is not None:
-                    centrals.append(central)
-                    grads.append(leaf.grad)
-                    leaf.grad = None
-        accumulate(centrals, grads)
+            return self._mirror.start_grads(self.params)
+        pairs = []
+        for central, leaf in self.params.items():
+            if leaf.grad is not None:
+                pairs.append((central, leaf.grad))
+                leaf.grad = None
+        return pairs
+
+    def finish_grads(self, transfers) -> tuple[list, list]:
+        """The central tensors and their gradients, on the parameter device."""
+        if self.copies:
+            from .broadcast import finish_grads
+            return finish_grads(transfers)
+        return [c for c, _ in transfers], [g for _, g in transfers]
 
     def clear_grads(self) -> None:
         for leaf in self.params.values():
