@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import pathlib
 from typing import Annotated, Any, Literal, Sequence, Union
 
@@ -246,8 +245,9 @@ class CNNModel(_Section):
 
     kind: Literal["cnn"] = Field(description="`cnn`.")
     channels: list[Annotated[int, Field(gt=0)]] = Field(
-        default_factory=lambda: [16, 32], description="Output channels of each 3x3 "
-        "convolution (each followed by ReLU).")
+        default_factory=lambda: [16, 32], description="Output channels of each "
+        "convolution; each is followed by ReLU and, while the image is at least 2x2, a 2x2 "
+        "max-pool.")
     kernel_size: int = Field(3, gt=0, description="Convolution kernel size (padding keeps "
                              "the size).")
     hidden: int = Field(64, gt=0, description="Width of the dense layer before the output.")
@@ -372,14 +372,20 @@ def load_config_text(text: str, file: str | None = None,
                                    file=file, line=1)])
     origins: dict = {}
     problems = _apply_overrides(data, overrides, origins)
-    config, found = _validate(data)
+    sections, found = _validate(data)
     problems += found
-    if config is not None:
-        from .preflight import preflight  # preflight imports the data/model modules
-        problems += preflight(config)
+    from .preflight import preflight  # it imports the data and model modules
+    reported = {p.path for p in problems}
+    problems += [p for p in preflight(sections) if not _explained(p.path, reported)]
     if problems:
         raise ConfigError(_locate(p, document, origins) for p in problems)
-    return config
+    return RunConfig.model_construct(**sections)
+
+
+def _explained(path: str, reported: set[str]) -> bool:
+    """A preflight problem at ``path`` is noise when it or a key below it was reported
+    (a partially valid section is checked without its bad keys)."""
+    return any(r == path or r.startswith(path + ".") for r in reported if path)
 
 
 def _sibling_hint(path: pathlib.Path) -> str | None:
@@ -424,6 +430,8 @@ def _apply_overrides(data: dict, overrides: Sequence[str], origins: dict) -> lis
             path, value = parse_override(text)
             _set_path(data, path, value)
         except ConfigError as exc:
+            for problem in exc.problems:
+                problem.origin = problem.origin or f"override {text!r}"
             problems += exc.problems
             continue
         origins[path] = f"override {text!r}"
@@ -457,3 +465,190 @@ def _set_path(data: dict, path: tuple, value: Any) -> None:
 def _override_error(path: tuple, message: str, hint: str | None) -> ConfigError:
     key = ".".join(str(p) for p in path)
     return ConfigError([Problem(key, message, hint)])
+
+
+# -- validation ---------------------------------------------------------------------------
+_SECTION_TYPES = {"strategy": StrategyConfig, "dataset": DatasetConfig, "model": ModelConfig,
+                  "optimizer": OptimizerConfig, "train": TrainConfig,
+                  "checkpoint": CheckpointConfig}
+_ADAPTERS: dict = {}
+
+
+def _adapter(name: str):
+    from pydantic import TypeAdapter
+    if name not in _ADAPTERS:
+        _ADAPTERS[name] = TypeAdapter(_SECTION_TYPES[name])
+    return _ADAPTERS[name]
+
+
+def _validate(data: dict) -> tuple[dict, list[Problem]]:
+    """Validate each section on its own, so that the problems of all are reported.
+
+    Returns the sections that are valid (name -> model) and the problems of the others.
+    """
+    from .problems import did_you_mean
+    problems = [Problem(str(key), "unknown section", did_you_mean(key, SECTIONS) or
+                        f"the sections are {', '.join(SECTIONS)}")
+                for key in data if key not in SECTIONS]
+    sections: dict = {}
+    for name, field in RunConfig.model_fields.items():
+        raw = data.get(name)
+        if raw is None and field.is_required():
+            problems.append(Problem(name, "missing section (required)", field.description))
+            continue
+        if raw is None:
+            raw = data[name] = {}  # an empty section (all keys commented out): defaults
+        try:
+            sections[name] = _adapter(name).validate_python(raw)
+        except ValidationError as exc:
+            found = _pydantic_problems(exc, name, data)
+            problems += found
+            partial = _partial_section(name, raw, found)
+            if partial is not None:
+                sections[name] = partial
+    return sections, problems
+
+
+def _partial_section(name: str, raw: Any, problems: list[Problem]):
+    """The section without its bad keys, if that validates (defaults fill in), so that
+    preflight can still check the rest of it; None otherwise.
+
+    A removed key was reported already; a preflight problem at the same path is dropped.
+    """
+    if not isinstance(raw, dict):
+        return None
+    bad = {p.path.split(".")[1] for p in problems if p.path.count(".") >= 1}
+    if not bad or any(p.path == name for p in problems):
+        return None
+    try:
+        return _adapter(name).validate_python({k: v for k, v in raw.items() if k not in bad})
+    except ValidationError:
+        return None
+
+
+def _pydantic_problems(exc: ValidationError, section: str, data: dict) -> list[Problem]:
+    by_path: dict[str, Problem] = {}
+    for error in exc.errors(include_url=False):
+        loc = (section,) + tuple(error["loc"])
+        path = ".".join(str(p) for p in _raw_path(loc, data))
+        message, hint = _describe(error, loc)
+        if error["type"] == "union_tag_invalid":
+            path += f".{str((error.get('ctx') or {}).get('discriminator', 'kind')).strip(chr(39))}"
+        if path in by_path:  # a plain union: one error per member; say them together
+            known = by_path[path]
+            if message not in known.message:
+                known.message += f"; or {message}"
+            continue
+        by_path[path] = Problem(path, message, hint)
+    return list(by_path.values())
+
+
+def _raw_path(loc: tuple, data: Any) -> tuple:
+    """The part of pydantic's ``loc`` that names keys in the data (drops union tags)."""
+    node, out = data, []
+    for part in loc:
+        if isinstance(node, dict):
+            if part in node:
+                out.append(part)
+                node = node[part]
+            elif part not in (node.get("kind"), node.get("op")):
+                out.append(part)  # a missing key
+                node = None
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            out.append(part)
+            node = node[part]
+    return tuple(out)
+
+
+def _describe(error: dict, loc: tuple) -> tuple[str, str | None]:
+    """A clear message and hint for one pydantic error."""
+    from .problems import did_you_mean
+    kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    if kind == "missing":
+        field = _field_at(loc)
+        return "missing (required)", field.description if field else None
+    if kind == "extra_forbidden":
+        fields = _fields_at(loc[:-1])
+        return "unknown key", did_you_mean(loc[-1], fields) or (
+            f"valid keys here: {', '.join(fields)}" if fields else None)
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        tag = str(ctx.get("discriminator", "kind")).strip("'")
+        expected = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",")]
+        if kind == "union_tag_not_found":
+            return f"needs `{tag}`", f"one of: {', '.join(expected)}"
+        return (f"unknown {tag} {ctx.get('tag')!r}",
+                did_you_mean(ctx.get("tag"), expected) or f"one of: {', '.join(expected)}")
+    if kind == "literal_error":
+        options = [o.strip().strip("'") for o in str(ctx.get("expected", "")).split(",")]
+        options = [o for part in options for o in part.split(" or ")]
+        return (f"{value!r} is not allowed; expected {ctx.get('expected')}",
+                did_you_mean(value, [o.strip("'") for o in options]))
+    shown = "" if isinstance(value, (dict, list)) else f" (got {value!r:.60})"
+    return f"{error['msg']}{shown}", None
+
+
+def _field_at(loc: tuple):
+    model = _model_at(loc[:-1])
+    return model.model_fields.get(loc[-1]) if model is not None else None
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model = _model_at(loc)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_at(loc: tuple):
+    """The config model class that pydantic's ``loc`` points into, or None."""
+    import typing
+    current: Any = RunConfig
+    for part in loc:
+        while True:  # unwrap Annotated, Optional and unions down to what ``part`` indexes
+            origin, args = typing.get_origin(current), typing.get_args(current)
+            if origin is Annotated:
+                current = args[0]
+            elif origin is Union and sum(a is not type(None) for a in args) == 1:
+                current = next(a for a in args if a is not type(None))
+            else:
+                break
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part)
+            current = field.annotation if field else None
+        elif origin is list and isinstance(part, int):
+            current = args[0]
+        elif origin is dict:
+            current = args[1]
+        elif origin is Union:
+            current = next((m for m in args if _tag_of(m) == part), None)
+        else:
+            current = None
+        if current is None:
+            return None
+    while typing.get_origin(current) is Annotated:
+        current = typing.get_args(current)[0]
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _tag_of(model: Any) -> str | None:
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
+    for name in ("kind", "op"):
+        field = model.model_fields.get(name)
+        if field is not None:
+            import typing
+            return typing.get_args(field.annotation)[0]
+    return None
+
+
+def _locate(problem: Problem, document: YamlDocument, origins: dict) -> Problem:
+    """Fill in where the problem's value came from: an override, else ``file:line``."""
+    if problem.origin or problem.line:
+        return problem
+    path = tuple(int(p) if p.isdigit() else p for p in problem.path.split(".")) \
+        if problem.path else ()
+    for set_path, origin in origins.items():
+        if path[:len(set_path)] == set_path:
+            problem.origin = origin
+            return problem
+    problem.file = document.file
+    problem.line = document.line_of(path)
+    return problem

@@ -63,11 +63,33 @@ class ConfigError(ValueError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    """``"did you mean 'x'?"`` for the closest of ``choices``, else None."""
-    choices = [str(c) for c in choices]
-    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
-    if not close:
-        lowered = {c.lower(): c for c in choices}
-        if str(word).lower() in lowered:
-            close = [lowered[str(word).lower()]]
+    """``"did you mean 'x'?"`` for the closest of ``choices``, else None.
+
+    Closest by edit distance counting a swap of neighbours as one edit (``Adma`` ->
+    ``Adam``), ignoring case; difflib's similarity breaks ties and catches the rest.
+    """
+    word, choices = str(word), [str(c) for c in choices]
+    if not choices:
+        return None
+    scored = sorted(choices, key=lambda c: (_edits(word.lower(), c.lower()),
+                                            -difflib.SequenceMatcher(None, word, c).ratio()))
+    best = scored[0]
+    if _edits(word.lower(), best.lower()) <= max(1, len(word) // 3):
+        return f"did you mean {best!r}?"
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}?" if close else None
+
+
+def _edits(a: str, b: str) -> int:
+    """Optimal-string-alignment distance (insert, delete, substitute, swap neighbours)."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[len(b)]
