@@ -1,0 +1,207 @@
+"""Checkpoints: atomic, checksummed, safe to load, kept to the newest ``keep``.
+
+Each checkpoint is two files in ``checkpoint.dir``:
+
+* ``ckpt-00000050.pt`` -- the payload (``torch.save`` of tensors and plain data only);
+* ``ckpt-00000050.json`` -- the manifest: step, the payload's size and SHA-256, and the
+  run's *identity* (the config sections that must match to resume).
+
+Both are written to a temporary file in the same directory, flushed with ``fsync`` and
+renamed into place (``os.replace`` is atomic), payload first: a manifest exists only for a
+complete payload, so a crash mid-write leaves the previous checkpoint as the newest.
+Loading verifies size and checksum, then ``torch.load(weights_only=True)`` (no pickled
+code runs), then compares identities and names what differs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import re
+import tempfile
+from typing import Any
+
+import torch
+
+from .digests import file_sha256
+
+__all__ = ["CheckpointError", "CheckpointManager", "FORMAT"]
+
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d{8,})\.json$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, is damaged, or belongs to another run."""
+
+
+def _write_atomic(path: pathlib.Path, write) -> None:
+    """Call ``write(file)`` on a temp file beside ``path``, fsync it, rename it over."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: pathlib.Path) -> None:
+    # the rename itself is durable only once the directory entry is flushed (POSIX)
+    with _suppress():
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, OSError)
+
+
+class CheckpointManager:
+    """Saves, lists, prunes and verifies the checkpoints of one run.
+
+    Args:
+      directory: ``checkpoint.dir``.
+      keep: how many of the newest checkpoints to keep.
+      identity: what must match to resume (flat ``{"dotted.key": value}`` of plain data).
+
+    Example::
+
+        manager = CheckpointManager("runs/ckpt", keep=3, identity={"model.kind": "mlp"})
+        manager.save(100, {"model": model.state_dict()})
+        payload, manifest = manager.load_latest()
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int, identity: dict[str, Any]):
+        self.directory = pathlib.Path(directory)
+        self.keep = keep
+        self.identity = identity
+
+    def save(self, step: int, payload: dict) -> pathlib.Path:
+        """Write the checkpoint of ``step`` atomically; prune old ones. Returns its path."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = self.directory / f"ckpt-{step:08d}.pt"
+            _write_atomic(path, lambda f: torch.save(payload, f))
+            manifest = {"format": FORMAT, "step": step, "file": path.name,
+                        "bytes": path.stat().st_size, "sha256": file_sha256(path),
+                        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                        "torch": torch.__version__, "identity": self.identity}
+            text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            _write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
+        except OSError as exc:
+            raise CheckpointError(f"cannot write a checkpoint to {str(self.directory)!r}: "
+                                  f"{exc.strerror or exc}") from None
+        self._prune()
+        return path
+
+    def manifests(self) -> list[pathlib.Path]:
+        """Manifest paths, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
+                 if (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def clear(self) -> int:
+        """Remove every checkpoint in the directory (a run starting over); returns how many."""
+        manifests = self.manifests()
+        for manifest in manifests:
+            with _suppress():
+                manifest.unlink()
+                manifest.with_suffix(".pt").unlink()
+        return len(manifests)
+
+    def _prune(self) -> None:
+        for manifest in self.manifests()[:-self.keep]:
+            with _suppress():  # the manifest first: a payload alone is never loaded
+                manifest.unlink()
+                manifest.with_suffix(".pt").unlink()
+
+    def load_latest(self) -> tuple[dict, dict] | None:
+        """The newest checkpoint's payload and manifest, verified; None if there is none.
+
+        Raises:
+          CheckpointError: it is damaged, truncated, unreadable or from another run --
+            the message names the file and what is wrong.
+        """
+        manifests = self.manifests()
+        if not manifests:
+            return None
+        return self.load(manifests[-1], older=len(manifests) - 1)
+
+    def load(self, manifest_path: pathlib.Path, older: int = 0) -> tuple[dict, dict]:
+        """Verify and load the checkpoint of ``manifest_path``."""
+        advice = (f"; {older} older checkpoint(s) remain in {str(self.directory)!r}: delete "
+                  "this one to resume from the previous, or run without --resume"
+                  if older else "; run without --resume to start over")
+        manifest = self._read_manifest(manifest_path, advice)
+        payload_path = manifest_path.with_name(str(manifest.get("file", "")))
+        self._verify(payload_path, manifest, advice)
+        self._check_identity(manifest, payload_path)
+        try:
+            payload = torch.load(payload_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means "damaged"
+            raise CheckpointError(f"checkpoint {str(payload_path)!r} cannot be loaded "
+                                  f"safely: {type(exc).__name__}: {exc}{advice}") from None
+        if not isinstance(payload, dict) or payload.get("step") != manifest["step"]:
+            raise CheckpointError(f"checkpoint {str(payload_path)!r} does not hold step "
+                                  f"{manifest['step']} as its manifest says{advice}")
+        return payload, manifest
+
+    def _read_manifest(self, path: pathlib.Path, advice: str) -> dict:
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint manifest {str(path)!r} is unreadable: "
+                                  f"{exc}{advice}") from None
+        missing = {"format", "step", "file", "bytes", "sha256", "identity"} - set(manifest)
+        if missing:
+            raise CheckpointError(f"checkpoint manifest {str(path)!r} lacks "
+                                  f"{', '.join(sorted(missing))}{advice}")
+        if manifest["format"] != FORMAT:
+            raise CheckpointError(f"checkpoint {str(path)!r} has format "
+                                  f"{manifest['format']}; this csrun reads format {FORMAT}")
+        return manifest
+
+    def _verify(self, path: pathlib.Path, manifest: dict, advice: str) -> None:
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint payload {str(path)!r} is missing{advice}")
+        size = path.stat().st_size
+        if size != manifest["bytes"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or damaged: "
+                                  f"{size} bytes, its manifest says {manifest['bytes']}"
+                                  f"{advice}")
+        if file_sha256(path) != manifest["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: its SHA-256 "
+                                  f"does not match its manifest{advice}")
+
+    def _check_identity(self, manifest: dict, path: pathlib.Path) -> None:
+        saved, current = manifest["identity"], self.identity
+        keys = sorted(set(saved) | set(current))
+        differ = [f"{k}: checkpoint {_show(saved.get(k))}, now {_show(current.get(k))}"
+                  for k in keys if saved.get(k) != current.get(k)]
+        if differ:
+            shown = "; ".join(differ[:6]) + (f"; and {len(differ) - 6} more"
+                                             if len(differ) > 6 else "")
+            raise CheckpointError(f"checkpoint {str(path)!r} is from a different run "
+                                  f"({shown}); resume with the config it was made with, or "
+                                  "use another checkpoint.dir")
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is None else json.dumps(value)

@@ -1,0 +1,619 @@
+"""The training run of a config: distribute -> run -> reduce, with checkpoints.
+
+Uses only csrun's public strategy API, as a user script would::
+
+    with strategy.scope():
+        model, optimizer = ...                              # central parameters
+    for batch in strategy.experimental_distribute_dataset(loader):   # distribute
+        optimizer.zero_grad(set_to_none=True)
+        out = strategy.run(step_fn, args=(batch,))          # run: grads summed centrally
+        optimizer.step()                                    # update, once, centrally
+        totals = strategy.reduce("SUM", out, axis=None)     # reduce
+
+``step_fn`` divides each replica's summed loss by the *global* batch size, so the summed
+gradients are those of the global-batch mean, whatever the replica count.
+
+The runner never prints: it reports :mod:`csrun.core.events` to ``on_event`` and returns a
+:class:`~csrun.core.events.RunResult`.
+
+Example::
+
+    result = train(load_config("configs/quickstart.yaml"), on_event=print)
+    print(result.params_sha256)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import signal
+import threading
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import CentralStorageStrategy, InputOptions, InputReplicationMode, StrategyOptions
+from .checkpoint import CheckpointError, CheckpointManager
+from .config import RunConfig, load_config
+from .datasets import Pipeline, load_source, split_holdout
+from .digests import params_sha256
+from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
+                     StepDone, StepLog)
+from .metrics import MetricSinks, tensorboard_available
+from .models import build_model, count_parameters, make_loss, resolve_loss
+from .optimizers import build_optimizer, build_schedule
+from .plots import plot_available, write_plot
+from .problems import ConfigError, Problem
+
+__all__ = ["train", "train_from_file", "RunError", "NonFiniteLoss", "Outputs"]
+
+PHASES = ("distribute", "run", "update", "reduce")
+
+
+class RunError(RuntimeError):
+    """A run that failed for a reason the user can act on (exit code 1)."""
+
+
+class NonFiniteLoss(RunError):
+    """A replica's loss became NaN or infinite; the run stopped before the update."""
+
+
+@dataclasses.dataclass
+class Outputs:
+    """Optional files a run writes besides checkpoints.
+
+    Attributes:
+      metrics: JSON-lines file; one record per step is appended.
+      plot: image of the loss curve and per-replica step times (needs matplotlib).
+      tensorboard: directory of TensorBoard event files (needs tensorboard).
+    """
+
+    metrics: str | None = None
+    plot: str | None = None
+    tensorboard: str | None = None
+
+
+def train_from_file(path: str, overrides: Sequence[str] = (), **options: Any) -> RunResult:
+    """Load ``path`` with ``overrides`` (override > file > default) and :func:`train` it.
+
+    Raises:
+      ConfigError: the config or the options have problems (exit code 2).
+      RunError, CheckpointError: the run failed (exit code 1).
+    """
+    return train(load_config(path, overrides), **options)
+
+
+def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = None,
+          on_event: Callable[[Any], None] | None = None,
+          stop: threading.Event | None = None) -> RunResult:
+    """Train ``config``; checkpoint, evaluate the holdout, and report.
+
+    Args:
+      config: a validated config (:func:`csrun.core.config.load_config`).
+      resume: continue from the newest checkpoint in ``checkpoint.dir`` (from the start
+        when there is none); ends bit-for-bit where an uninterrupted run ends.
+      outputs: optional metric, plot and TensorBoard files.
+      on_event: called with each event of :mod:`csrun.core.events`.
+      stop: set it to stop after the current step, save a checkpoint and return with
+        status ``"interrupted"``. In the main thread, Ctrl-C sets it (twice: abort).
+
+    Returns:
+      The :class:`RunResult`.
+
+    Raises:
+      ConfigError: unusable options (``--plot`` without matplotlib, ``--resume`` without
+        ``checkpoint.dir``).
+      RunError: a runtime failure (:class:`NonFiniteLoss`, an empty epoch).
+      CheckpointError: the checkpoint to resume from is damaged or from another run, or
+        one cannot be written.
+    """
+    outputs = outputs or Outputs()
+    _check_options(config, resume, outputs)
+    stop = stop or threading.Event()
+    with _sigint_sets(stop), _engine_warnings(on_event):
+        session = _Session(config, outputs, on_event or (lambda event: None))
+        try:
+            if resume:
+                session.restore()
+            session.fit(stop)
+            return session.finish("interrupted" if stop.is_set() else "completed")
+        finally:
+            session.close()
+
+
+def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
+    problems = []
+    if resume and not config.checkpoint.dir:
+        problems.append(Problem("checkpoint.dir", "--resume needs a checkpoint directory",
+                                "set checkpoint.dir in the config or as an override"))
+    if outputs.plot and not plot_available():
+        problems.append(Problem("--plot", "needs matplotlib, which is not installed",
+                                "pip install 'csrun[plot]'"))
+    if outputs.tensorboard and not tensorboard_available():
+        problems.append(Problem("--tensorboard", "needs tensorboard, which is not "
+                                "installed", "pip install 'csrun[tensorboard]'"))
+    if problems:
+        raise ConfigError(problems)
+
+
+@contextlib.contextmanager
+def _sigint_sets(stop: threading.Event):
+    """While training, the first Ctrl-C asks for a clean stop; the second aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _engine_warnings(on_event: Callable | None):
+    """Report the engine's warnings (e.g. dropped batches) once each, as Notices."""
+    seen: set = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in seen and on_event is not None:
+            seen.add(text)
+            on_event(Notice(text))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        yield
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and Python's random."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def _short(device_name: str) -> str:
+    """``/job:localhost/replica:0/task:0/device:CPU:1`` -> ``CPU:1``."""
+    return device_name.rsplit("device:", 1)[-1]
+
+
+def _identity(config: RunConfig, replicas: int) -> dict[str, Any]:
+    """What must match to resume bit-for-bit, flattened to dotted keys."""
+    dump = config.model_dump(mode="json")
+    dataset = {k: v for k, v in dump["dataset"].items() if k not in ("workers", "pin_memory")}
+    flat: dict[str, Any] = {"train.seed": dump["train"]["seed"], "strategy.replicas": replicas}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, list) and value:
+            for i, item in enumerate(value):
+                walk(f"{prefix}.{i}", item)
+        else:
+            flat[prefix] = value
+
+    for name, section in (("model", dump["model"]), ("optimizer", dump["optimizer"]),
+                          ("dataset", dataset)):
+        walk(name, section)
+    return flat
+
+
+def _rng_state() -> dict:
+    numpy_state = np.random.get_state(legacy=False)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                       "pos": int(numpy_state["state"]["pos"]),
+                       "has_gauss": int(numpy_state["has_gauss"]),
+                       "gauss": float(numpy_state["gauss"])}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state({"bit_generator": "MT19937",
+                         "state": {"key": numpy_state["key"].numpy().astype(np.uint32),
+                                   "pos": numpy_state["pos"]},
+                         "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _Tally:
+    """Sums over a span of steps: overall and per replica (checkpointed, so a resumed run
+    reports what an uninterrupted one does)."""
+
+    def __init__(self, replicas: int):
+        self.steps = self.examples = self.correct = 0
+        self.loss = 0.0
+        self.replica_examples = [0] * replicas
+        self.replica_loss = [0.0] * replicas
+        self.replica_seconds = [0.0] * replicas
+        self.phases = dict.fromkeys(PHASES, 0.0)
+
+    def add(self, per_replica: Sequence[dict], phases: dict[str, float]) -> None:
+        self.steps += 1
+        for r, stats in enumerate(per_replica):
+            examples, loss = int(stats["examples"]), float(stats["loss"])
+            self.examples += examples
+            self.loss += loss
+            self.correct += int(stats["correct"])
+            self.replica_examples[r] += examples
+            self.replica_loss[r] += loss
+            self.replica_seconds[r] += float(stats["seconds"])
+        for name, seconds in phases.items():
+            self.phases[name] += seconds
+
+    def replica_stats(self, devices: Sequence[str]) -> list[ReplicaStats]:
+        steps = max(self.steps, 1)
+        return [ReplicaStats(r, device, n, self.replica_loss[r] / n if n else math.nan,
+                             self.replica_seconds[r] / steps)
+                for r, (device, n) in enumerate(zip(devices, self.replica_examples))]
+
+    def mean_phases(self) -> dict[str, float]:
+        return {name: total / max(self.steps, 1) for name, total in self.phases.items()}
+
+    def state(self) -> dict:
+        return dict(vars(self))
+
+    def load(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+class _Session:
+    """One call of :func:`train`: the strategy, model, data and the loop's state."""
+
+    def __init__(self, config: RunConfig, outputs: Outputs, emit: Callable[[Any], None]):
+        self.config, self.outputs, self.emit = config, outputs, emit
+        seed = config.train.seed
+        seed_everything(seed)  # before the model: initial weights follow the seed
+        self.data = load_source(config.dataset.source)
+        train_indices, self.holdout = split_holdout(len(self.data), config.dataset.holdout, seed)
+        self.pipeline = Pipeline(config.dataset, self.data, train_indices, seed)
+        self.strategy = CentralStorageStrategy(
+            config.strategy.compute_devices, config.strategy.parameter_device,
+            options=StrategyOptions(copy_parameters=config.strategy.copy_parameters,
+                                    execution=config.strategy.execution))
+        self.replicas = self.strategy.num_replicas_in_sync
+        self.devices = [_short(name) for name in self.strategy.extended.worker_devices]
+        self.classify = self.data.task == "classification"
+        self.loss_fn = make_loss(resolve_loss(config.model, self.data.task))
+        with self.strategy.scope():  # parameters and optimizer state live centrally
+            self.model = build_model(config.model, self.data.feature_shape, self.data.outputs)
+            self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
+            self.schedule = build_schedule(config.optimizer.schedule, self.optimizer)
+        self.steps_per_epoch = self.pipeline.steps_per_epoch(self.replicas)
+        self.total_steps = config.train.steps or config.train.epochs * self.steps_per_epoch
+        self.manager = (CheckpointManager(config.checkpoint.dir, config.checkpoint.keep,
+                                          _identity(config, self.replicas))
+                        if config.checkpoint.dir else None)
+        self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
+        self.step = self.epoch = self.position = 0
+        self.losses: list[float] = []
+        self.totals, self.window = _Tally(self.replicas), _Tally(self.replicas)
+        self.last_log: StepLog | None = None
+        self.resumed_from: int | None = None
+        self.saved_step: int | None = None
+        self.saved_path: str | None = None
+        self.session = _Tally(self.replicas)  # this process's steps only, for throughput
+        self.session_seconds = 0.0
+        self.step_times: list[list[float]] = []  # per step, per replica (for --plot)
+
+    def close(self) -> None:
+        self.sinks.close()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _payload(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "position": self.position,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict() if self.schedule else None,
+                "rng": _rng_state(), "losses": torch.tensor(self.losses, dtype=torch.float64),
+                "totals": self.totals.state(), "window": self.window.state(),
+                "last_log": self.last_log.to_dict() if self.last_log else None}
+
+    def save(self) -> None:
+        if self.manager is None or self.saved_step == self.step or self.step == 0:
+            return
+        if self.saved_step is None and self.resumed_from is None:
+            # a run that starts over replaces the checkpoints of earlier runs, so that
+            # --resume never picks an older run's newer step
+            removed = self.manager.clear()
+            if removed:
+                self.emit(Notice(f"started over (no --resume): replaced {removed} "
+                                 f"checkpoint(s) of an earlier run in "
+                                 f"{str(self.manager.directory)!r}"))
+        path = self.manager.save(self.step, self._payload())
+        self.saved_step, self.saved_path = self.step, str(path)
+        self.emit(CheckpointSaved(self.step, str(path)))
+
+    def restore(self) -> None:
+        """Continue from the newest checkpoint (model, optimizer, schedule, RNG, data)."""
+        loaded = self.manager.load_latest()
+        if loaded is None:
+            self.emit(Notice(f"--resume: no checkpoint in {self.config.checkpoint.dir!r} "
+                             "yet; starting at step 0"))
+            return
+        payload, manifest = loaded
+        path = str(self.manager.directory / manifest["file"])
+        try:
+            self.model.load_state_dict(payload["model"])
+            self.optimizer.load_state_dict(payload["optimizer"])
+            if self.schedule is not None:
+                self.schedule.load_state_dict(payload["schedule"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {path!r} does not fit this model and "
+                                  f"optimizer: {exc}") from None
+        self.step, self.epoch, self.position = payload["step"], payload["epoch"], \
+            payload["position"]
+        self.losses = payload["losses"].tolist()
+        self.totals.load(payload["totals"])
+        self.window.load(payload["window"])
+        last = payload.get("last_log")
+        self.last_log = _step_log_from(last) if last else None
+        _set_rng_state(payload["rng"])
+        self.resumed_from = self.saved_step = self.step
+        self.saved_path = path
+        self.emit(Notice(f"resumed from step {self.step} (epoch {self.epoch}, batch "
+                         f"{self.position}) of {path}"))
+
+
+    # -- the loop --------------------------------------------------------------------------
+    def fit(self, stop: threading.Event) -> None:
+        """Train until ``total_steps`` or until ``stop`` is set; save at the end."""
+        self.emit(self._started())
+        begin = time.perf_counter()
+        with self.strategy.scope():  # cross-replica context, as in TF
+            while self.step < self.total_steps and not stop.is_set():
+                start_position = self.position
+                if not self._epoch(stop):
+                    break
+                if self.position == start_position == 0:
+                    raise RunError(f"the pipeline yielded no step in epoch {self.epoch}")
+                self.epoch, self.position = self.epoch + 1, 0  # the pass ended: next one
+                if self.schedule is not None and self.config.optimizer.schedule.interval \
+                        == "epoch":
+                    self.schedule.step()
+        self.session_seconds += time.perf_counter() - begin
+        if stop.is_set():
+            self.emit(Notice(f"interrupted after step {self.step}"))
+        self.save()
+
+    def _epoch(self, stop: threading.Event) -> bool:
+        """Run steps of the current pass; True when the pass ran out of batches."""
+        iterator = iter(self._distribute())
+        try:
+            while self.step < self.total_steps and not stop.is_set():
+                begin = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return True
+                self._train_step(batch, time.perf_counter() - begin)
+            return False
+        finally:
+            iterator.close()
+
+    def _distribute(self):
+        """The distributed dataset of the current pass, from the current position."""
+        config, pipeline = self.config.dataset, self.pipeline
+        pin = config.pin_memory if config.pin_memory != "auto" else torch.cuda.is_available() \
+            and any(d.startswith("GPU") for d in self.devices)
+        buffer = pipeline.prefetch
+        if config.distribute == "global":
+            loader = pipeline.loader(self.epoch, self.position, pin_memory=pin)
+            return self.strategy.experimental_distribute_dataset(
+                loader, InputOptions(experimental_per_replica_buffer_size=buffer))
+        per_worker = config.replication == "per_worker"
+        mode = InputReplicationMode.PER_WORKER if per_worker else \
+            InputReplicationMode.PER_REPLICA
+        epoch, position = self.epoch, self.position
+
+        def dataset_fn(context):
+            # one pipeline deals `replicas` batches per step; per-replica ones one each
+            skip = position * (context.num_replicas_in_sync if per_worker else 1)
+            return pipeline.loader(
+                epoch, skip, pipelines=context.num_input_pipelines,
+                pipeline_id=context.input_pipeline_id, pin_memory=pin,
+                batch_size=context.get_per_replica_batch_size(pipeline.batch_size))
+
+        return self.strategy.distribute_datasets_from_function(
+            dataset_fn, InputOptions(experimental_replication_mode=mode,
+                                     experimental_per_replica_buffer_size=buffer))
+
+    def _replica_step(self, x: torch.Tensor, y: torch.Tensor, global_examples: int) -> dict:
+        """One replica's part of a step (replica context): forward, backward, stats."""
+        begin = time.perf_counter()
+        output = self.model(x)
+        loss = self.loss_fn(output, y)
+        (loss / global_examples).backward()  # summed over replicas: the global mean's grad
+        correct = (output.argmax(1) == y).sum() if self.classify else torch.zeros((), dtype=
+                                                                                 torch.int64)
+        return {"loss": loss.detach(), "examples": torch.tensor(x.shape[0]),
+                "correct": correct, "seconds": torch.tensor(time.perf_counter() - begin,
+                                                            dtype=torch.float64)}
+
+    def _train_step(self, batch: Any, distribute_s: float) -> None:
+        x, y = batch
+        strategy = self.strategy
+        global_examples = sum(int(t.shape[0]) for t in strategy.experimental_local_results(x))
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = strategy.run(self._replica_step, args=(x, y, global_examples))
+        t1 = time.perf_counter()
+        per_replica = strategy.experimental_local_results(out)
+        self._check_finite(per_replica)
+        self.optimizer.step()
+        if self.schedule is not None and self.config.optimizer.schedule.interval == "step":
+            self.schedule.step()
+        t2 = time.perf_counter()
+        totals = strategy.reduce("SUM", {k: out[k] for k in ("loss", "examples", "correct")},
+                                 axis=None)
+        loss = float(totals["loss"]) / int(totals["examples"])
+        t3 = time.perf_counter()
+        self._record(per_replica, loss, {"distribute": distribute_s, "run": t1 - t0,
+                                         "update": t2 - t1, "reduce": t3 - t2})
+
+    def _check_finite(self, per_replica: Sequence[dict]) -> None:
+        for replica, stats in enumerate(per_replica):
+            value = float(stats["loss"])
+            if not math.isfinite(value):
+                kept = (f"the last checkpoint (step {self.saved_step}, {self.saved_path}) is "
+                        "intact" if self.saved_path else "no checkpoint was written")
+                raise NonFiniteLoss(
+                    f"the loss is {value} at step {self.step + 1} on replica {replica} "
+                    f"({self.devices[replica]}); stopped before the update, {kept}. Try a "
+                    "lower optimizer.lr, or check the data for NaN/inf values")
+
+    def _record(self, per_replica: Sequence[dict], loss: float, phases: dict) -> None:
+        self.step += 1
+        self.position += 1
+        self.losses.append(loss)
+        for tally in (self.totals, self.window, self.session):
+            tally.add(per_replica, phases)
+        seconds = [float(s["seconds"]) for s in per_replica]
+        if self.outputs.plot:
+            self.step_times.append(seconds)
+        examples = sum(int(s["examples"]) for s in per_replica)
+        correct = sum(int(s["correct"]) for s in per_replica)
+        self.sinks.write({"step": self.step, "epoch": self.epoch, "loss": loss,
+                          "accuracy": correct / examples if self.classify else None,
+                          "examples": examples, "learning_rate": self._lr(),
+                          "step_time_s": seconds, "phases_s": phases})
+        self.emit(StepDone(self.step, self.total_steps, loss))
+        if self.step % self.config.train.log_every == 0 or self.step == self.total_steps:
+            self._log()
+        every = self.config.checkpoint.every_steps
+        if every and self.step % every == 0:
+            self.save()
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _log(self) -> None:
+        window = self.window
+        self.last_log = StepLog(
+            step=self.step, total_steps=self.total_steps, epoch=self.epoch,
+            loss=window.loss / max(window.examples, 1),
+            accuracy=window.correct / max(window.examples, 1) if self.classify else None,
+            learning_rate=self._lr(), replicas=window.replica_stats(self.devices),
+            phases_s=window.mean_phases())
+        self.emit(self.last_log)
+        self.window = _Tally(self.replicas)
+
+    def _started(self) -> RunStarted:
+        return RunStarted(
+            compute_devices=self.devices,
+            parameter_device=self.strategy.extended.parameter_device.short_name,
+            model=f"{self.config.model.kind} ({type(self.model).__name__})",
+            parameters=count_parameters(self.model), dataset=self.data.name,
+            train_examples=len(self.pipeline.indices), holdout_examples=len(self.holdout),
+            global_batch_size=self.pipeline.batch_size,
+            distribute=self.config.dataset.distribute, total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch, start_step=self.step,
+            seed=self.config.train.seed)
+
+    # -- the end ---------------------------------------------------------------------------
+    def evaluate(self) -> Evaluated | None:
+        """Loss and accuracy on the held-out examples, distributed like training."""
+        if len(self.holdout) == 0:
+            return None
+        loader = self.pipeline.eval_loader(self.holdout, self.pipeline.batch_size)
+        totals = {"loss": 0.0, "examples": 0, "correct": 0}
+
+        def eval_step(x, y):
+            with torch.no_grad():  # grad mode is per thread: set it in the replica
+                output = self.model(x)
+                correct = (output.argmax(1) == y).sum() if self.classify else \
+                    torch.zeros((), dtype=torch.int64)
+                return {"loss": self.loss_fn(output, y), "examples": torch.tensor(x.shape[0]),
+                        "correct": correct}
+
+        self.model.eval()
+        try:
+            with self.strategy.scope():
+                for x, y in self.strategy.experimental_distribute_dataset(loader):
+                    step = self.strategy.reduce("SUM", self.strategy.run(eval_step, (x, y)),
+                                                axis=None)
+                    for key in totals:
+                        totals[key] += step[key].item()
+        finally:
+            self.model.train()
+        examples = int(totals["examples"])
+        return Evaluated(examples, totals["loss"] / examples,
+                         totals["correct"] / examples if self.classify else None)
+
+    def finish(self, status: str) -> RunResult:
+        """Evaluate (unless interrupted), write the plot, and assemble the result."""
+        evaluated = self.evaluate() if status == "completed" else None
+        if evaluated is not None:
+            self.emit(evaluated)
+        if self.outputs.plot:
+            first = (self.resumed_from or 0) + 1
+            write_plot(self.outputs.plot, self.losses, self.step_times, self.devices, first)
+        return RunResult(
+            status=status, steps=self.step, total_steps=self.total_steps,
+            epochs=self.step / self.steps_per_epoch if self.steps_per_epoch else None,
+            examples=self.totals.examples, losses=list(self.losses),
+            final_loss=self.losses[-1] if self.losses else None,
+            metrics=self._metrics(evaluated), throughput=self._throughput(),
+            phases_s=self.session.mean_phases(), per_replica=self._per_replica(),
+            replica_balance=self._balance(), params_sha256=params_sha256(self.model),
+            strategy={"compute_devices": self.devices, "replicas": self.replicas,
+                      "parameter_device": self.strategy.extended.parameter_device.short_name,
+                      "distribute": self.config.dataset.distribute},
+            checkpoint={"dir": self.config.checkpoint.dir, "last": self.saved_path,
+                        "last_step": self.saved_step, "resumed_from_step": self.resumed_from})
+
+    def _metrics(self, evaluated: Evaluated | None) -> dict[str, Any]:
+        log = self.last_log
+        metrics: dict[str, Any] = {
+            "loss": self.config.model.loss if self.config.model.loss != "auto" else
+            resolve_loss(self.config.model, self.data.task),
+            "train_loss": log.loss if log else None,
+            "train_accuracy": log.accuracy if log else None}
+        if evaluated is not None:
+            metrics.update(eval_loss=evaluated.loss, eval_accuracy=evaluated.accuracy,
+                           eval_examples=evaluated.examples)
+        return metrics
+
+    def _throughput(self) -> dict[str, float]:
+        seconds = max(self.session_seconds, 1e-9)
+        return {"examples_per_s": self.session.examples / seconds,
+                "steps_per_s": self.session.steps / seconds, "wall_s": self.session_seconds,
+                "steps_this_session": self.session.steps}
+
+    def _per_replica(self) -> list[dict[str, Any]]:
+        total = max(self.totals.examples, 1)
+        return [dict(stats.to_dict(), examples_share=stats.examples / total,
+                     loss=stats.loss if math.isfinite(stats.loss) else None)
+                for stats in self.totals.replica_stats(self.devices)]
+
+    def _balance(self) -> dict[str, Any]:
+        """How evenly the replicas shared the work (1.0: perfectly even)."""
+        times = [s / max(self.session.steps, 1) for s in self.session.replica_seconds]
+        examples = self.totals.replica_examples
+        return {"step_time_max_over_min": max(times) / min(times) if min(times) > 0 else None,
+                "slowest_replica": int(np.argmax(times)) if times else None,
+                "examples_max_over_min": max(examples) / min(examples) if min(examples) > 0
+                else None}
+
+def _step_log_from(data: dict) -> StepLog:
+    replicas = [ReplicaStats(**r) for r in data.pop("replicas")]
+    return StepLog(replicas=replicas, **data)

@@ -1,0 +1,173 @@
+"""The training run: determinism, loss scaling, resume bit-for-bit, failures, outputs."""
+
+import json
+import threading
+
+import pytest
+
+from csrun.core.checkpoint import CheckpointError
+from csrun.core.config import load_config_text
+from csrun.core.events import CheckpointSaved, Evaluated, Notice, RunStarted, StepLog
+from csrun.core.metrics import tensorboard_available
+from csrun.core.plots import plot_available
+from csrun.core.problems import ConfigError
+from csrun.core.runner import NonFiniteLoss, Outputs, train
+
+TINY = """\
+strategy: {compute_devices: [CPU:0, CPU:1]}
+dataset:
+  source: {kind: synthetic, examples: 120, features: 6, classes: 3}
+  holdout: 0.25
+  steps:
+    - {op: shuffle, buffer: 200}
+    - {op: batch, size: 16}
+model: {kind: mlp, hidden: [8], dropout: 0.2}
+optimizer: {name: SGD, lr: 0.1, kwargs: {momentum: 0.9}}
+train: {epochs: 3, log_every: 5}
+"""
+
+
+def config(*overrides, text=TINY):
+    return load_config_text(text, "tiny.yaml", list(overrides))
+
+
+def run(*overrides, **options):
+    events = []
+    result = train(config(*overrides), on_event=events.append, **options)
+    return result, events
+
+
+def test_same_seed_same_digest_and_events():
+    first, events = run()
+    second, _ = run()
+    assert first.status == "completed" and first.steps == first.total_steps == 18
+    assert first.params_sha256 == second.params_sha256
+    assert first.losses == second.losses and len(first.losses) == 18
+    assert run("train.seed=1")[0].params_sha256 != first.params_sha256
+    kinds = [type(e) for e in events]
+    assert kinds[0] is RunStarted and kinds.count(StepLog) == 4  # 5, 10, 15, 18
+    log = next(e for e in events if isinstance(e, StepLog))
+    assert [r.device for r in log.replicas] == ["CPU:0", "CPU:1"]
+    assert list(log.phases_s) == ["distribute", "run", "update", "reduce"]
+    assert isinstance(events[-1], Evaluated) and events[-1].examples == 30
+
+
+def test_result_reports_per_replica_and_metrics():
+    result, _ = run()
+    data = result.to_dict()
+    assert [r["replica"] for r in data["per_replica"]] == [0, 1]
+    assert sum(r["examples"] for r in data["per_replica"]) == data["examples"] == 90 * 3
+    assert data["metrics"]["eval_examples"] == 30
+    assert 0 <= data["metrics"]["eval_accuracy"] <= 1
+    assert data["epochs"] == 3.0 and len(data["params_sha256"]) == 64
+    json.dumps(data)  # JSON-ready
+
+
+def test_loss_is_scaled_by_the_global_batch():
+    # no dropout: one replica and two replicas take the same SGD steps (up to rounding)
+    one, _ = run("model.dropout=0", "strategy.compute_devices=[CPU:0]")
+    two, _ = run("model.dropout=0")
+    three, _ = run("model.dropout=0", "strategy.compute_devices=[CPU:1, CPU:2, CPU:3]")
+    for other in (two, three):
+        assert all(abs(a - b) < 1e-5 for a, b in zip(one.losses, other.losses))
+
+
+@pytest.mark.parametrize("extra", [
+    (),
+    ("dataset.distribute=per_replica", "dataset.replication=per_replica",
+     "dataset.steps.0={op: shard}"),
+    ("dataset.distribute=per_replica",
+     "optimizer.schedule={name: StepLR, kwargs: {step_size: 1}, interval: epoch}"),
+    ("train.steps=23", "train.epochs=null", "dataset.steps.2={op: repeat}"),
+], ids=["global", "per-replica-sharded", "per-worker-schedule", "infinite-steps"])
+def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(tmp_path, extra):
+    uninterrupted, _ = run(*extra)
+    overrides = (*extra, f"checkpoint.dir={tmp_path}", "checkpoint.every_steps=4")
+    stop = threading.Event()
+
+    def stop_at_7(event):
+        if getattr(event, "step", None) == 7 and not isinstance(event, CheckpointSaved):
+            stop.set()
+
+    first = train(config(*overrides), on_event=stop_at_7, stop=stop)
+    assert first.status == "interrupted" and first.steps == 7
+    assert first.checkpoint["last_step"] == 7  # saved at the stop, not only every 4
+    resumed, events = run(*overrides, resume=True)
+    assert any(isinstance(e, Notice) and "resumed from step 7" in e.message for e in events)
+    assert resumed.params_sha256 == uninterrupted.params_sha256
+    assert resumed.losses == uninterrupted.losses
+    assert resumed.metrics == uninterrupted.metrics
+
+
+def test_resume_refuses_another_config_and_starts_fresh_without_checkpoints(tmp_path):
+    ck = f"checkpoint.dir={tmp_path / 'ck'}"
+    fresh, events = run(ck, resume=True)
+    assert any("no checkpoint" in e.message for e in events if isinstance(e, Notice))
+    assert fresh.checkpoint["last_step"] == 18
+    again, _ = run(ck, resume=True)  # already finished: nothing to do, same digest
+    assert again.params_sha256 == fresh.params_sha256
+    with pytest.raises(CheckpointError, match="model.hidden.0: checkpoint 8, now 16"):
+        run(ck, "model.hidden=[16]", resume=True)
+
+
+def test_options_that_cannot_work_are_config_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="--resume needs a checkpoint directory"):
+        run(resume=True)
+    monkeypatch.setattr("csrun.core.runner.plot_available", lambda: False)
+    with pytest.raises(ConfigError, match="matplotlib"):
+        run(outputs=Outputs(plot="x.png"))
+
+
+def test_non_finite_loss_names_step_and_replica_and_keeps_the_checkpoint(tmp_path):
+    overrides = ("optimizer.lr=1e30", "model.dropout=0", f"checkpoint.dir={tmp_path}",
+                 "checkpoint.every_steps=1")
+    with pytest.raises(NonFiniteLoss) as info:
+        run(*overrides)
+    message = str(info.value)
+    assert "at step" in message and "on replica" in message and "CPU:" in message
+    assert "intact" in message
+    manifests = sorted(tmp_path.glob("*.json"))
+    assert manifests  # the last good checkpoint is still there and loads
+    from csrun.core.checkpoint import CheckpointManager
+    from csrun.core.runner import _identity
+    cfg = config(*overrides)
+    assert CheckpointManager(tmp_path, 3, _identity(cfg, 2)).load_latest() is not None
+
+
+def test_one_replica_and_regression(tmp_path):
+    text = TINY.replace("{kind: synthetic, examples: 120, features: 6, classes: 3}",
+                        "{kind: synthetic, task: regression, examples: 64, features: 3}")
+    result = train(config("strategy.compute_devices=[CPU:0]", "model.dropout=0", text=text))
+    assert result.metrics["loss"] == "mse" and result.metrics["train_accuracy"] is None
+    assert result.per_replica[0]["examples_share"] == 1.0
+
+
+def test_metrics_file_has_one_line_per_step(tmp_path):
+    path = tmp_path / "m" / "metrics.jsonl"
+    result, _ = run(outputs=Outputs(metrics=str(path)))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 19))
+    assert lines[-1]["loss"] == result.losses[-1] and len(lines[0]["step_time_s"]) == 2
+
+
+@pytest.mark.skipif(not plot_available(), reason="matplotlib (csrun[plot]) not installed")
+def test_plot_is_written(tmp_path):
+    run(outputs=Outputs(plot=str(tmp_path / "loss.png")))
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_a_fresh_run_replaces_checkpoints_of_an_earlier_run(tmp_path):
+    ck = f"checkpoint.dir={tmp_path}"
+    run(ck, "model.hidden=[4]", "train.epochs=4")  # an earlier, different run: step 24
+    result, events = run(ck)
+    assert any("replaced 1 checkpoint" in e.message for e in events if isinstance(e, Notice))
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["ckpt-00000018.json"]
+    resumed, _ = run(ck, resume=True)
+    assert resumed.params_sha256 == result.params_sha256
+
+
+@pytest.mark.skipif(not tensorboard_available(),
+                    reason="tensorboard (csrun[tensorboard]) not installed")
+def test_tensorboard_event_files(tmp_path):
+    run(outputs=Outputs(tensorboard=str(tmp_path / "tb")))
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
