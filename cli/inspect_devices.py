@@ -1,0 +1,27 @@
+"""``csrun inspect-devices [--json]``: the local devices and TF's default placement."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from csrun.core.device_lib import list_local_devices
+
+from .outcomes import reporting
+from .render import View, write_json
+
+
+def inspect_devices(
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the report as JSON on stdout instead of a table.")] = False,
+) -> None:
+    """List every device (TF name, torch name, kind, memory, GPU model and capability) and
+    where a default CentralStorageStrategy() would compute and keep parameters."""
+    view = View(json_to_stdout=as_json)
+    with reporting(view, "-" if as_json else None):
+        report = list_local_devices()
+        if as_json:
+            write_json("-", report)
+        else:
+            view.devices(report)

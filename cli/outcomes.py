@@ -1,0 +1,53 @@
+"""Exit codes, and how the CLI turns what a command raised into a message and a code.
+
+0 ok · 1 runtime failure (clear message) · 2 bad config or usage · 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import typer
+
+from csrun.core.checkpoint import CheckpointError
+from csrun.core.problems import ConfigError
+from csrun.core.runner import RunError
+
+from .render import View, clean_floats, write_json
+
+__all__ = ["OK", "FAILED", "USAGE", "INTERRUPTED", "reporting"]
+
+OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
+
+
+@contextlib.contextmanager
+def reporting(view: View, json_path: str | None):
+    """Run a command body; render what it raises, write ``--json`` and exit with its code."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except ConfigError as exc:
+        view.problems(exc)
+        _finish(json_path, USAGE, {"status": "invalid",
+                                   "problems": [p.to_dict() for p in exc.problems]})
+    except (RunError, CheckpointError) as exc:
+        view.failure(str(exc))
+        _finish(json_path, FAILED, {"status": "failed", "error": str(exc)})
+    except KeyboardInterrupt:
+        view.aborted()
+        _finish(json_path, INTERRUPTED, {"status": "aborted"})
+    except Exception as exc:  # noqa: BLE001 - anything else: a message, not a traceback
+        view.crash(exc)
+        notes = " ".join(getattr(exc, "__notes__", []))
+        _finish(json_path, FAILED, {"status": "failed",
+                                    "error": f"{type(exc).__name__}: {exc} {notes}".strip()})
+
+
+def _finish(json_path: str | None, code: int, data: dict) -> None:
+    if json_path:
+        try:
+            write_json(json_path, clean_floats({**data, "exit_code": code}))
+        except OSError:  # the JSON path itself was the problem; it was reported
+            pass
+    raise typer.Exit(code)

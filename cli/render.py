@@ -1,0 +1,287 @@
+"""All terminal output of the CLI: rich tables, progress, summaries; errors on stderr.
+
+Human output goes to stdout, or to stderr when ``--json -`` claims stdout. On a terminal
+the run shows a progress bar with ETA; elsewhere (CI logs, pipes) it prints plain lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import traceback
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+
+from csrun.core.events import (CheckpointSaved, Evaluated, Notice, RunResult, RunStarted,
+                               StepDone, StepLog)
+from csrun.core.problems import ConfigError
+
+__all__ = ["View", "sparkline", "write_json"]
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 48) -> str:
+    """A one-line chart of ``values`` (averaged into ``width`` buckets)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return ""
+    buckets = min(width, len(values))
+    means = []
+    for b in range(buckets):
+        chunk = values[b * len(values) // buckets:(b + 1) * len(values) // buckets]
+        means.append(sum(chunk) / len(chunk))
+    low, high = min(means), max(means)
+    span = (high - low) or 1.0
+    return "".join(_BLOCKS[min(7, int((m - low) / span * 8))] for m in means)
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path``, or to stdout for ``-``."""
+    text = json.dumps(data, indent=2, default=_jsonable, allow_nan=False)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
+    target = pathlib.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text + "\n", encoding="utf-8")
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return str(value)
+
+
+def clean_floats(value: Any) -> Any:
+    """NaN and inf become None: JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean_floats(v) for v in value]
+    return value
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 120  # CI logs have no terminal width; 80 would wrap the tables
+    return console
+
+
+class View:
+    """The CLI's output for one command.
+
+    Args:
+      json_to_stdout: ``--json -`` writes JSON to stdout, so human output moves to stderr.
+    """
+
+    def __init__(self, json_to_stdout: bool = False):
+        self.out = _console(stderr=json_to_stdout)
+        self.err = _console(stderr=True)
+        self._progress: Progress | None = None
+        self._task = None
+
+    # -- errors ----------------------------------------------------------------------------
+    def problems(self, error: ConfigError) -> None:
+        """Every config problem: where, what, and the hint."""
+        count = len(error.problems)
+        self.err.print(f"[bold red]error:[/] {count} problem{'s' if count != 1 else ''} "
+                       "in the config (nothing ran)", soft_wrap=True)
+        for problem in error.problems:
+            where = f"{escape(problem.where)}: " if problem.where else ""
+            path = f"[bold]{escape(problem.path)}[/]: " if problem.path else ""
+            self.err.print(f"  {where}{path}{escape(problem.message)}", soft_wrap=True)
+            if problem.hint:
+                self.err.print(f"      [cyan]hint:[/] {escape(problem.hint)}",
+                               soft_wrap=True)
+
+    def failure(self, message: str) -> None:
+        """A runtime failure with a clear message (exit 1)."""
+        self.close()
+        self.err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+    def crash(self, exc: BaseException) -> None:
+        """An unexpected exception: its message and notes; the traceback on request."""
+        self.close()
+        notes = "".join(f" {n}" for n in getattr(exc, "__notes__", []))
+        self.err.print(f"[bold red]error:[/] {escape(type(exc).__name__)}: "
+                       f"{escape(str(exc))}{escape(notes)}", soft_wrap=True)
+        if os.environ.get("CSRUN_TRACEBACK"):
+            self.err.print(escape("".join(traceback.format_exception(exc))), soft_wrap=True)
+        else:
+            self.err.print("  (set CSRUN_TRACEBACK=1 to see the traceback)", style="dim")
+
+    def interrupted(self, saved: str | None) -> None:
+        self.close()
+        where = f"; checkpoint {escape(saved)} (continue with --resume)" if saved else \
+            "; no checkpoint saved (none configured, or no step finished)"
+        self.err.print(f"[yellow]interrupted[/]{where}", soft_wrap=True)
+
+    def aborted(self) -> None:
+        self.close()
+        self.err.print("[yellow]aborted[/] (second Ctrl-C): nothing saved from this step")
+
+    # -- a training run ----------------------------------------------------------------------
+    def on_event(self, event: Any) -> None:
+        """Render one event of :mod:`csrun.core.events` (the runner's ``on_event``)."""
+        handler = {RunStarted: self._started, StepDone: self._step_done,
+                   StepLog: self._step_log, CheckpointSaved: self._checkpoint,
+                   Notice: self._notice, Evaluated: self._evaluated}.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _print(self, *things: Any, **kwargs: Any) -> None:
+        console = self._progress.console if self._progress is not None else self.out
+        console.print(*things, **kwargs)
+
+    def _started(self, e: RunStarted) -> None:
+        per_replica = e.global_batch_size / len(e.compute_devices)
+        epochs = f" ({e.steps_per_epoch} per epoch)" if e.steps_per_epoch else ""
+        self.out.print(f"[bold]CentralStorageStrategy[/]: {len(e.compute_devices)} "
+                       f"replica(s) on {', '.join(e.compute_devices)}; parameters on "
+                       f"{e.parameter_device}", soft_wrap=True)
+        self.out.print(f"data: {escape(e.dataset)}: {e.train_examples} to train, "
+                       f"{e.holdout_examples} held out; global batch {e.global_batch_size} "
+                       f"(~{per_replica:g} per replica, {e.distribute})", soft_wrap=True)
+        self.out.print(f"model: {escape(e.model)}, {e.parameters:,} parameters; steps: "
+                       f"{e.total_steps}{epochs}; seed {e.seed}", soft_wrap=True)
+        self.out.print("each step: distribute -> run (replicas, grads summed centrally) -> "
+                       "update -> reduce", style="dim")
+        if self.out.is_terminal and self._progress is None:
+            self._progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task."
+                                                                                   "fields[loss]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                console=self.out, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=e.total_steps,
+                                                 completed=e.start_step, loss="")
+
+    def _step_done(self, e: StepDone) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=e.step, loss=f"loss {_loss(e.loss)}")
+
+    def _step_log(self, e: StepLog) -> None:
+        accuracy = f" · accuracy {_pct(e.accuracy)}" if e.accuracy is not None else ""
+        self._print(f"[bold]step {e.step}/{e.total_steps}[/] · epoch {e.epoch} · loss "
+                    f"{_loss(e.loss)}{accuracy} · lr {e.learning_rate:.3g}", soft_wrap=True)
+        table = Table()
+        for column in ("replica", "device", "examples", "loss", "step time"):
+            table.add_column(column, justify="right" if column != "device" else "left")
+        for r in e.replicas:
+            table.add_row(str(r.replica), r.device, str(r.examples), _loss(r.loss),
+                          _ms(r.step_time_s))
+        self._print(table)
+        self._print("  per step: " + " -> ".join(f"{name} {_ms(s)}"
+                                                  for name, s in e.phases_s.items()),
+                    style="dim")
+
+    def _checkpoint(self, e: CheckpointSaved) -> None:
+        self._print(f"  checkpoint: step {e.step} -> {escape(e.path)}", style="dim",
+                    soft_wrap=True)
+
+    def _notice(self, e: Notice) -> None:
+        self._print(f"[yellow]note:[/] {escape(e.message)}", soft_wrap=True)
+
+    def _evaluated(self, e: Evaluated) -> None:
+        accuracy = f"accuracy [bold]{_pct(e.accuracy)}[/], " if e.accuracy is not None else ""
+        self._print(f"held out: {accuracy}loss {_loss(e.loss)} ({e.examples} examples)")
+
+    def close(self) -> None:
+        """Stop the progress bar (before a summary or an error)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def summary(self, result: RunResult) -> None:
+        """The end of a run: loss curve, metrics, throughput, replica balance, digest."""
+        self.close()
+        m, t = result.metrics, result.throughput
+        table = Table(title=f"csrun train: {result.status}", title_justify="left",
+                      show_header=False, box=None, padding=(0, 2, 0, 0))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column(overflow="fold")
+        epochs = f" ({result.epochs:.2f} epochs)" if result.epochs is not None else ""
+        table.add_row("steps", f"{result.steps}/{result.total_steps}{epochs}")
+        table.add_row("loss", f"{_loss(result.losses[0] if result.losses else None)} -> "
+                              f"{_loss(result.final_loss)}  {sparkline(result.losses)}")
+        train_acc = f", accuracy {_pct(m['train_accuracy'])}" \
+            if m.get("train_accuracy") is not None else ""
+        table.add_row("train", f"loss {_loss(m.get('train_loss'))}{train_acc} (last log "
+                               "window, reduced over replicas)")
+        if "eval_loss" in m:
+            eval_acc = f"accuracy {_pct(m['eval_accuracy'])}, " \
+                if m.get("eval_accuracy") is not None else ""
+            table.add_row("held out", f"{eval_acc}loss {_loss(m['eval_loss'])} "
+                                      f"({m['eval_examples']} examples)")
+        table.add_row("speed", f"{t['examples_per_s']:,.0f} examples/s, "
+                               f"{t['steps_per_s']:.1f} steps/s, {t['wall_s']:.1f} s "
+                               "training")
+        table.add_row("per step", " -> ".join(f"{k} {_ms(v)}"
+                                              for k, v in result.phases_s.items()))
+        table.add_row("replicas", self._balance(result))
+        table.add_row("params_sha256", result.params_sha256)
+        if result.checkpoint.get("last"):
+            table.add_row("checkpoint", escape(result.checkpoint["last"]))
+        self.out.print(table)
+
+    @staticmethod
+    def _balance(result: RunResult) -> str:
+        parts = [f"{r['replica']}@{r['device']}: {100 * r['examples_share']:.0f}% of "
+                 f"examples, {_ms(r['step_time_s'])}/step" for r in result.per_replica]
+        ratio = result.replica_balance.get("step_time_max_over_min")
+        balance = f"; slowest/fastest {ratio:.2f}x" if ratio else ""
+        return "; ".join(parts) + balance
+
+    # -- validate, inspect-devices ---------------------------------------------------------
+    def valid(self, path: str, config: Any) -> None:
+        s, d, o, t = config.strategy, config.dataset, config.optimizer, config.train
+        length = f"{t.steps} steps" if t.steps else f"{t.epochs} epochs"
+        batch = next(step.size for step in d.steps if step.op == "batch")
+        self.out.print(f"[green]ok:[/] {escape(path)} is valid", soft_wrap=True)
+        self.out.print(f"  strategy: {', '.join(s.compute_devices or ['(TF default)'])}; "
+                       f"parameters on {s.parameter_device or '(TF default)'}\n"
+                       f"  dataset: {d.source.kind}, global batch {batch}, {d.distribute}\n"
+                       f"  model: {config.model.kind}; optimizer: {o.name} lr={o.lr:g}\n"
+                       f"  train: {length}, seed {t.seed}", soft_wrap=True)
+
+    def devices(self, report: dict[str, Any]) -> None:
+        table = Table(title="local devices", title_justify="left")
+        for column in ("device", "TF name", "torch", "kind", "memory", "model", "capability"):
+            table.add_column(column)
+        for d in report["devices"]:
+            memory = d.get("memory_bytes")
+            kind = "logical CPU" if d.get("logical") else d["kind"]
+            table.add_row(d["short_name"], d["name"], d["torch"], kind,
+                          f"{memory / 2**30:.1f} GiB" if memory else "-",
+                          escape(d.get("model", "-")), d.get("capability", "-"))
+        self.out.print(table)
+        placement = report["default_placement"]
+        self.out.print(f"default placement: replicas on "
+                       f"{', '.join(placement['compute_devices'])}; parameters on "
+                       f"{placement['parameter_device']}", soft_wrap=True)
+        self.out.print(f"  ({placement['rule']})", style="dim", soft_wrap=True)

@@ -1,0 +1,53 @@
+"""``csrun train CONFIG [key=value ...]``: train a config on a CentralStorageStrategy."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from csrun.core.runner import Outputs, train_from_file
+
+from .outcomes import INTERRUPTED, OK, reporting
+from .render import View, clean_floats, write_json
+
+
+def train(
+    config: Annotated[str, typer.Argument(
+        metavar="CONFIG", help="The YAML config file.", show_default=False)],
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        metavar="KEY=VALUE", help="Overrides, e.g. train.steps=100 (override > file > default).",
+        show_default=False)] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest checkpoint in checkpoint.dir.")] = False,
+    json_path: Annotated[Optional[str], typer.Option(
+        "--json", metavar="PATH", help="Write the result as JSON to PATH (- for stdout).")
+    ] = None,
+    plot: Annotated[Optional[str], typer.Option(
+        metavar="PATH", help="Write the loss curve and per-replica step times as an image "
+        "(needs matplotlib: pip install 'csrun[plot]').")] = None,
+    metrics: Annotated[Optional[str], typer.Option(
+        metavar="PATH", help="Append per-step metrics to PATH as JSON lines.")] = None,
+    tensorboard: Annotated[Optional[str], typer.Option(
+        metavar="DIR", help="Write TensorBoard event files to DIR (needs tensorboard).")
+    ] = None,
+) -> None:
+    """Train CONFIG: distribute -> run -> reduce on the configured replicas.
+
+    Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage, 130 interrupted (Ctrl-C
+    saves a checkpoint first).
+    """
+    view = View(json_to_stdout=json_path == "-")
+    with reporting(view, json_path):
+        result = train_from_file(config, overrides or [], resume=resume,
+                                 outputs=Outputs(metrics, plot, tensorboard),
+                                 on_event=view.on_event)
+        view.summary(result)
+        code = INTERRUPTED if result.status == "interrupted" else OK
+        if json_path:
+            write_json(json_path, clean_floats({**result.to_dict(), "config": config,
+                                                "overrides": overrides or [],
+                                                "exit_code": code}))
+    if code == INTERRUPTED:
+        view.interrupted(result.checkpoint.get("last"))
+        raise typer.Exit(code)
