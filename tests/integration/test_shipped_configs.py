@@ -1,0 +1,88 @@
+"""Every shipped config validates; the CPU ones train end to end; GPU ones on a GPU."""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from csrun.core.config import load_config
+from csrun.core.problems import ConfigError
+from csrun.core.runner import train
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+NAMES = [c.stem for c in CONFIGS]
+
+
+def gpus_needed(path: Path) -> int:
+    devices = (yaml.safe_load(path.read_text()).get("strategy") or {}).get("compute_devices")
+    if devices is None:  # TF's default: every GPU; the header says how many it needs
+        match = re.search(r"Needs: (one|two|\d+)", path.read_text())
+        return {"one": 1, "two": 2}.get(match.group(1), 0) if match else 0
+    return sum(1 for d in devices if d.upper().startswith(("GPU", "CUDA", "/GPU")))
+
+
+def test_there_are_examples_of_each_kind():
+    assert {"quickstart", "single_device", "per_replica", "mixed_cpu_gpu",
+            "multi_gpu"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=NAMES)
+def test_header_says_what_it_shows_needs_and_how_to_run_it(path):
+    header = path.read_text().split("\n\n")[0] + path.read_text().split("\n\n")[1]
+    assert f"csrun train configs/{path.name}" in header
+    assert "Shows:" in header and "Needs:" in header
+
+
+def names_gpus(path: Path) -> bool:
+    strategy = yaml.safe_load(path.read_text()).get("strategy") or {}
+    return gpus_needed(path) > 0 and strategy.get("compute_devices") is not None
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=NAMES)
+def test_shipped_config_validates(path):
+    if not names_gpus(path) or gpus_needed(path) <= torch.cuda.device_count():
+        load_config(path)  # TF's default placement is valid anywhere (CPU:0 without GPUs)
+        return
+    with pytest.raises(ConfigError) as info:  # no GPU here: only the devices may be wrong
+        load_config(path)
+    assert all(p.path.startswith("strategy") or "GPU" in p.message
+               for p in info.value.problems), info.value
+    load_config(path, ["strategy.compute_devices=[CPU:0,CPU:1]"])
+
+
+@pytest.mark.parametrize("path", [c for c in CONFIGS
+                                  if gpus_needed(c) == 0 and c.stem != "quickstart"],
+                         ids=lambda c: c.stem)
+def test_cpu_config_trains_end_to_end(path, csrun, tmp_path):
+    done = csrun("train", path, "--json", "r.json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["status"] == "completed" and result["metrics"]["eval_accuracy"] > 0.9
+
+
+def test_quickstart_under_a_minute_with_a_meaningful_accuracy(csrun, tmp_path):
+    begin = time.monotonic()
+    done = csrun("train", CONFIGS[NAMES.index("quickstart")], "--json", "q.json")
+    seconds = time.monotonic() - begin
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "q.json").read_text())
+    assert result["strategy"]["compute_devices"] == ["CPU:0", "CPU:1"]
+    assert result["metrics"]["eval_accuracy"] > 0.9, result["metrics"]
+    assert "held out: accuracy" in done.stdout
+    assert seconds < 60, f"quickstart took {seconds:.0f} s"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [c for c in CONFIGS if gpus_needed(c) > 0],
+                         ids=lambda c: c.stem)
+def test_gpu_config_trains_on_gpus(path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if gpus_needed(path) > torch.cuda.device_count():
+        pytest.skip(f"needs {gpus_needed(path)} GPUs, {torch.cuda.device_count()} here")
+    result = train(load_config(path, ["train.epochs=2"]))
+    assert result.status == "completed" and result.metrics["eval_accuracy"] > 0.5
