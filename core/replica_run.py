@@ -2,16 +2,18 @@
 
 Two execution modes:
 
-* **ordered** (TF's own order; the default when every replica computes on the host CPU):
-  replicas run one at a time, 0, 1, ..., so Python side effects happen in replica order.
-  While no replica needs to meet the others, each runs inline on the calling thread (no
-  thread switch at all). When replica 0 reaches a rendezvous (``all_reduce``,
-  ``merge_call``, a synchronized BatchNorm, ...), the other replicas move to worker
-  threads and the replicas take turns: each runs until its next rendezvous, the last one
-  to arrive computes the merged result, and replica 0 resumes.
-* **concurrent** (the default when replicas sit on different physical devices, e.g. two
-  GPUs or CPU + GPU): every replica runs at once on its own thread; a rendezvous is a
-  barrier.
+* **ordered** (TF's own order): replicas run one at a time, 0, 1, ..., so Python side
+  effects happen in replica order. While no replica needs to meet the others, each runs
+  inline on the calling thread (no thread switch at all). When replica 0 reaches a
+  rendezvous (``all_reduce``, ``merge_call``, a synchronized BatchNorm, ...), the other
+  replicas move to worker threads and the replicas take turns: each runs until its next
+  rendezvous, the last one to arrive computes the merged result, and replica 0 resumes.
+* **concurrent**: every replica runs at once on its own thread; a rendezvous is a barrier.
+  Replicas that share the host CPU split its intra-op threads between them (with 4
+  replicas of 64 examples each, one thread per replica keeps the matrix products as
+  efficient as one device's 256; in order they would run at ~0.6x).
+
+:class:`ExecutionPolicy` chooses between them run by run (see its docstring).
 
 A replica that raises aborts the others at their next rendezvous (or skips them if they
 have not started); ``execute`` re-raises the first error once every replica has stopped,
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["ReplicaRun", "ReplicaExecutor", "ReplicaAborted"]
+__all__ = ["ReplicaRun", "ReplicaExecutor", "ReplicaAborted", "ExecutionPolicy"]
 
 _FINAL = frozenset({"done", "failed", "aborted", "skipped"})
 
@@ -106,13 +109,15 @@ class ReplicaRun:
     """
 
     def __init__(self, num_replicas: int, concurrent: bool, body: Callable[[int], Any],
-                 executor: "ReplicaExecutor"):
+                 executor: "ReplicaExecutor", threads: list | None = None):
         self.num_replicas = num_replicas
         self.concurrent = concurrent and num_replicas > 1
+        self.threads = threads  # intra-op threads per replica (None: leave as is)
         self.body = body
         self.executor = executor
         self.cond = _LazyCondition()
         self.results: list = [None] * num_replicas
+        self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
         self.error: tuple[int | None, BaseException] | None = None
         self.threaded = False
@@ -160,11 +165,17 @@ class ReplicaRun:
             self._set_final(replica_id, "skipped")
             return
         self.status[replica_id] = "running"
+        threads = self.threads[replica_id] if self.threads else None
+        previous = torch.get_num_threads() if threads else None
+        begin = time.perf_counter()
         try:
+            if threads:
+                torch.set_num_threads(threads)
             if on_worker:
                 output = self.thread_state.apply(lambda: self.body(replica_id))
             else:
                 output = self.body(replica_id)
+            self.durations[replica_id] = time.perf_counter() - begin
         except ReplicaAborted:
             self._set_final(replica_id, "aborted")
         except BaseException as exc:  # noqa: BLE001 - every error must reach the caller
@@ -172,6 +183,9 @@ class ReplicaRun:
         else:
             self.results[replica_id] = output
             self._set_final(replica_id, "done")
+        finally:
+            if previous is not None:
+                torch.set_num_threads(previous)
 
     def _set_final(self, replica_id: int, status: str) -> None:
         if not self.threaded:  # inline: nobody else to tell
@@ -311,6 +325,90 @@ class ReplicaRun:
         if self.error is None:
             self.error = (None, exc)
         self.cond.notify_all()
+
+
+class ExecutionPolicy:
+    """Ordered or concurrent, run by run, for one strategy.
+
+    ``"ordered"`` is TF's order with the caller's threads; ``"concurrent"`` always runs
+    replicas at once. ``"auto"``:
+
+    * Replicas on different physical devices (GPUs, CPU + GPU) run concurrently.
+    * Replicas that share the host CPU always get an equal share of the caller's intra-op
+      threads, in either mode. Their results then depend only on that share, never on
+      whether they overlapped, so the policy may schedule by timing and results still
+      repeat bit for bit. They run concurrently while each replica's work is long enough
+      to pay for the thread handoffs (>= 250 µs a replica, back to ordered under 80 µs),
+      else in order on the caller's thread.
+    * They also share torch's one global CPU random generator: replicas drawing from it
+      concurrently (dropout, say) would interleave their draws at random. Every run is
+      watched; the first is ordered, and replicas that draw stay ordered for good (a
+      concurrent run that draws switches back, with a warning).
+    """
+
+    CONCURRENT_FROM = 250e-6  # seconds of work per replica
+    ORDERED_BELOW = 80e-6
+
+    def __init__(self, devices: list, mode: str):
+        self.mode = mode
+        self._cpu = [i for i, d in enumerate(devices) if not d.is_gpu]
+        self._num_replicas = len(devices)
+        self._shared_cpu = mode == "auto" and len(self._cpu) > 1
+        self._draws = False  # replicas were seen drawing random numbers
+        self._work = None    # moving average of seconds per replica body
+        if mode == "ordered" or len(devices) == 1:
+            self.state = "ordered"
+        elif self._shared_cpu:
+            self.state = "probe"  # ordered while timings and random draws are watched
+        else:
+            self.state = "concurrent"
+
+    @property
+    def concurrent(self) -> bool:
+        return self.state == "concurrent"
+
+    def threads(self) -> list | None:
+        """Intra-op threads of each replica (None: leave the thread's own setting)."""
+        if not self._cpu or not (self._shared_cpu or
+                                 (self.concurrent and self.mode == "concurrent")):
+            return None
+        per = max(1, torch.get_num_threads() // len(self._cpu))
+        return [per if i in self._cpu else None for i in range(self._num_replicas)]
+
+    def before_run(self) -> bytes | None:
+        return _generator_state() if self._shared_cpu and not self._draws else None
+
+    def after_run(self, snapshot: bytes | None, durations: list) -> None:
+        if not self._shared_cpu:
+            return
+        if snapshot is not None and _generator_state() != snapshot:
+            if self.state == "concurrent":
+                import warnings
+                warnings.warn(
+                    "replicas drew random numbers from torch's global CPU generator while "
+                    "running concurrently, so this step's draws interleaved in no fixed "
+                    "order; csrun runs this strategy's replicas in order from now on. Pass "
+                    "StrategyOptions(execution='ordered') to start that way (or "
+                    "'concurrent' to keep concurrency and accept it).",
+                    RuntimeWarning, stacklevel=4)
+            self._draws = True
+            self.state = "ordered"
+            return
+        if self._draws or not durations:
+            return
+        work = sum(durations) / len(durations)
+        first = self._work is None
+        self._work = work if first else 0.8 * self._work + 0.2 * work
+        if first:
+            return  # the first run pays one-off costs; decide on later ones
+        if self._work >= self.CONCURRENT_FROM:
+            self.state = "concurrent"
+        elif self._work < self.ORDERED_BELOW or self.state == "probe":
+            self.state = "ordered"
+
+
+def _generator_state() -> bytes:
+    return torch.default_generator.get_state().numpy().tobytes()
 
 
 class _Worker:

@@ -26,7 +26,7 @@ from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder,
                     TensorSliceDataset, ValueContext)
 from .parameters import ParameterStore, install_hooks, track_store
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
-from .replica_run import ReplicaAborted, ReplicaExecutor, ReplicaRun
+from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
                      regroup, unstack)
 from .variables import Variable
@@ -42,8 +42,9 @@ class StrategyOptions:
     Attributes:
       copy_parameters: give every replica its own copy of the parameters even on the
         parameter's own device (the copy path GPUs use; lets CPU-only CI exercise it).
-      execution: ``"auto"`` (concurrent when replicas use different physical devices,
-        else ordered), ``"ordered"`` (TF's replica order) or ``"concurrent"``.
+      execution: ``"auto"`` (replicas run concurrently when that keeps results
+        reproducible, see ``ExecutionPolicy``), ``"ordered"`` (TF's replica order) or
+        ``"concurrent"``.
       sync_batch_norm: BatchNorm created in scope normalizes with global-batch statistics.
     """
 
@@ -342,15 +343,15 @@ class ParameterServerStrategyExtended:
         track_store(self._store)
         self._executor = ReplicaExecutor(f"csrun-{id(self):x}")
         self._executor.close_with(container)
-        self._concurrent = self._decide_concurrency()
+        self._policy = ExecutionPolicy(compute, self.options.execution)
         self._streams = None
         self._run_lock = threading.Lock()
 
-    def _decide_concurrency(self) -> bool:
-        if self.options.execution != "auto":
-            return self.options.execution == "concurrent"
-        physical = {d.torch_device for d in self._compute}
-        return len(physical) > 1
+    @property
+    def execution(self) -> str:
+        """How the next run executes: ``"ordered"``, ``"concurrent"``, or ``"probe"``
+        (ordered, still deciding; see ``ExecutionPolicy``)."""
+        return self._policy.state
 
     # -- TF attributes -------------------------------------------------------------------
     @property
@@ -402,7 +403,8 @@ class ParameterServerStrategyExtended:
         count = self._num_local_replicas
         replica_args, replica_kwargs = unstack(args, count), unstack(kwargs, count)
         servings = self._store.begin_run()
-        run = ReplicaRun(count, self._concurrent, None, self._executor)
+        policy = self._policy
+        run = ReplicaRun(count, policy.concurrent, None, self._executor, policy.threads())
         run.servings = servings
         streams = self._replica_streams()
         run.collectives = Collectives(run, strategy, streams)
@@ -428,6 +430,7 @@ class ParameterServerStrategyExtended:
                 context.pop(entry)
 
         run.body = body
+        snapshot = policy.before_run()
         try:
             outputs = run.execute()
             self._join_streams(streams)
@@ -435,6 +438,7 @@ class ParameterServerStrategyExtended:
         except BaseException:
             self._store.discard_run(servings)
             raise
+        policy.after_run(snapshot, run.durations)
         return regroup(outputs)
 
     def _replica_streams(self) -> list | None:

@@ -17,6 +17,8 @@ with one replica run returns the value itself.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -169,12 +171,34 @@ def test_run_returns_python_values(golden, strategy):
 
 
 def test_run_side_effect_order(golden, strategy):
+    """TF's replica order, exactly, with execution="ordered"."""
+    out = golden["run_side_effect_order"]["outputs"]
+    s = strategy(3, execution="ordered")
+    order = []
+    for _ in range(2):
+        s.run(lambda: order.append(_rid()))
+    assert order == out["eager_two_runs"]
+
+
+def test_run_side_effect_order_by_default(golden, strategy):
+    """By default quick replicas keep TF's order exactly. Deviation (docs/tf-parity.md):
+    logical-CPU replicas with enough work each (>= 250 µs) run concurrently, so their
+    side effects may interleave -- each replica still runs exactly once per run."""
     out = golden["run_side_effect_order"]["outputs"]
     s = strategy(3)
     order = []
     for _ in range(2):
         s.run(lambda: order.append(_rid()))
-    assert order == out["eager_two_runs"]
+    assert order == out["eager_two_runs"] and s.extended.execution == "ordered"
+
+    def slow():
+        time.sleep(0.002)  # enough work per replica to be worth running at once
+        order.append(_rid())
+    order.clear()
+    for _ in range(3):
+        s.run(slow)
+    assert s.extended.execution == "concurrent"
+    assert sorted(order) == sorted(out["eager_two_runs"] + [0, 1, 2])
 
 
 def test_run_nested_is_runtime_error(golden, strategy):
