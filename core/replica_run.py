@@ -376,7 +376,15 @@ class ExecutionPolicy:
         return [per if i in self._cpu else None for i in range(self._num_replicas)]
 
     def before_run(self) -> bytes | None:
-        return _generator_state() if self._shared_cpu and not self._draws else None
+        """A snapshot of the CPU generator when this run could change the decision: the
+        probe, concurrent runs, and ordered runs whose work nears the threshold (so a
+        switch to concurrent always follows a watched run that drew nothing). Quick
+        replicas are not watched: the snapshot costs more than their whole run."""
+        if not self._shared_cpu or self._draws:
+            return None
+        if self.state == "ordered" and (self._work or 0.0) < self.CONCURRENT_FROM / 2:
+            return None
+        return _generator_state()
 
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
         if not self._shared_cpu:
@@ -402,7 +410,8 @@ class ExecutionPolicy:
         if first:
             return  # the first run pays one-off costs; decide on later ones
         if self._work >= self.CONCURRENT_FROM:
-            self.state = "concurrent"
+            if snapshot is not None:  # watched, and the replicas drew nothing
+                self.state = "concurrent"
         elif self._work < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"
 
