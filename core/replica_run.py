@@ -72,7 +72,11 @@ class _ThreadState:
 
 class _LazyCondition:
     """A Condition made on first use: most runs never leave the calling thread, and
-    building one costs more than the rest of an empty run."""
+    building one costs more than the rest of an empty run.
+
+    Only one thread may make it: :meth:`ReplicaRun._start_workers` calls :meth:`ensure`
+    before any worker starts (two threads making one each would each lock and wait on
+    their own, and the replicas would never meet)."""
 
     __slots__ = ("_cond",)
 
@@ -83,6 +87,9 @@ class _LazyCondition:
         if self._cond is None:
             self._cond = threading.Condition(threading.Lock())
         return self._cond
+
+    def ensure(self) -> None:
+        self._get()
 
     def __enter__(self):
         return self._get().__enter__()
@@ -152,6 +159,7 @@ class ReplicaRun:
         return self.results
 
     def _start_workers(self, replica_ids: Sequence[int]) -> None:
+        self.cond.ensure()  # made here, on one thread, before anyone else can touch it
         self.threaded = True
         for replica_id in replica_ids:
             self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))

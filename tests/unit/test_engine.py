@@ -30,6 +30,31 @@ def test_concurrent_mode_runs_replicas_at_once():
     assert strategy.experimental_local_results(results) == (0, 1, 2)
 
 
+def test_rendezvous_lock_exists_before_any_worker_starts():
+    # Regression: replicas racing to make the lazily built Condition each got their own
+    # lock and waited forever (seen once in CI's soak run, BatchNorm all_reduce).
+    from csrun.core.replica_run import ReplicaRun
+
+    seen = []
+
+    class Executor:
+        def submit(self, replica_id, task):
+            seen.append(run.cond._cond is not None)
+            task()
+
+    run = ReplicaRun(3, True, lambda r: r, Executor())
+    assert run.execute() == [0, 1, 2] and seen == [True, True]
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_rendezvous_never_deadlocks_under_stress():
+    strategy = _strategy(2, execution="concurrent")
+    one = torch.ones(4)
+    for _ in range(3000):
+        out = strategy.run(lambda: cs.get_replica_context().all_reduce("SUM", one))
+        assert float(strategy.experimental_local_results(out)[1][0]) == 2.0
+
+
 def test_ordered_mode_keeps_tf_order_across_rendezvous():
     strategy = _strategy(3)
     order = []
