@@ -1,6 +1,7 @@
 """Exit codes, and how the CLI turns what a command raised into a message and a code.
 
-0 ok · 1 runtime failure (clear message) · 2 bad config or usage · 130 interrupted (Ctrl-C).
+0 ok · 1 runtime failure (clear message) · 2 bad config or usage · 130 interrupted (Ctrl-C),
+143 stopped by SIGTERM (both save a checkpoint first).
 """
 
 from __future__ import annotations
@@ -10,20 +11,27 @@ import contextlib
 import typer
 
 from csrun.core.checkpoint import CheckpointError
+from csrun.core.preflight import check_writable
 from csrun.core.problems import ConfigError
 from csrun.core.runner import RunError
 
 from .render import View, clean_floats, write_json
 
-__all__ = ["OK", "FAILED", "USAGE", "INTERRUPTED", "reporting"]
+__all__ = ["OK", "FAILED", "USAGE", "INTERRUPTED", "TERMINATED", "reporting"]
 
-OK, FAILED, USAGE, INTERRUPTED = 0, 1, 2, 130
+OK, FAILED, USAGE, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
 
 
 @contextlib.contextmanager
 def reporting(view: View, json_path: str | None):
-    """Run a command body; render what it raises, write ``--json`` and exit with its code."""
+    """Run a command body; render what it raises, write ``--json`` and exit with its code.
+
+    A ``--json`` path that cannot be written is a usage error before the body runs (not
+    after a long run)."""
     try:
+        unwritable = check_writable(json_path, "--json")
+        if unwritable:
+            raise ConfigError(unwritable)
         yield
     except typer.Exit:
         raise

@@ -112,11 +112,12 @@ class View:
         self.err.print(f"[bold red]error:[/] {count} problem{'s' if count != 1 else ''} "
                        "in the config (nothing ran)", soft_wrap=True)
         for problem in error.problems:
-            where = f"{escape(problem.where)}: " if problem.where else ""
-            path = f"[bold]{escape(problem.path)}[/]: " if problem.path else ""
-            self.err.print(f"  {where}{path}{escape(problem.message)}", soft_wrap=True)
-            if problem.hint:
-                self.err.print(f"      [cyan]hint:[/] {escape(problem.hint)}",
+            shown = problem.shown()
+            where = f"{escape(shown['where'])}: " if shown["where"] else ""
+            path = f"[bold]{escape(shown['path'])}[/]: " if shown["path"] else ""
+            self.err.print(f"  {where}{path}{escape(shown['message'])}", soft_wrap=True)
+            if shown["hint"]:
+                self.err.print(f"      [cyan]hint:[/] {escape(shown['hint'])}",
                                soft_wrap=True)
 
     def failure(self, message: str) -> None:

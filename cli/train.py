@@ -8,7 +8,7 @@ import typer
 
 from csrun.core.runner import Outputs, train_from_file
 
-from .outcomes import INTERRUPTED, OK, reporting
+from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
 from .render import View, clean_floats, write_json
 
 
@@ -34,8 +34,8 @@ def train(
 ) -> None:
     """Train CONFIG: distribute -> run -> reduce on the configured replicas.
 
-    Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage, 130 interrupted (Ctrl-C
-    saves a checkpoint first).
+    Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage, 130 interrupted by Ctrl-C,
+    143 by SIGTERM (both save a checkpoint first).
     """
     view = View(json_to_stdout=json_path == "-")
     with reporting(view, json_path):
@@ -43,11 +43,12 @@ def train(
                                  outputs=Outputs(metrics, plot, tensorboard),
                                  on_event=view.on_event)
         view.summary(result)
-        code = INTERRUPTED if result.status == "interrupted" else OK
+        code = OK if result.status != "interrupted" else \
+            TERMINATED if result.signal == "SIGTERM" else INTERRUPTED
         if json_path:
             write_json(json_path, clean_floats({**result.to_dict(), "config": config,
                                                 "overrides": overrides or [],
                                                 "exit_code": code}))
-    if code == INTERRUPTED:
+    if code in (INTERRUPTED, TERMINATED):
         view.interrupted(result.checkpoint.get("last"))
         raise typer.Exit(code)

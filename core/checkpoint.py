@@ -37,12 +37,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, is damaged, or belongs to another run."""
 
 
+_TEMP = re.compile(r"^\.ckpt-\d{8,}\.(pt|json)\..*\.tmp$")
+
+
 def _write_atomic(path: pathlib.Path, write) -> None:
     """Call ``write(file)`` on a temp file beside ``path``, fsync it, rename it over."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
+        with os.fdopen(fd, "wb") as raw:
+            f = _Recording(raw)
+            try:
+                write(f)
+            except Exception:
+                # torch.save reports a failed write (a full disk) as a RuntimeError
+                # ("unexpected pos"); the OSError underneath is what to tell the user
+                if f.error is not None:
+                    raise f.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -51,6 +62,24 @@ def _write_atomic(path: pathlib.Path, write) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+class _Recording:
+    """A file that remembers the first OSError of a write, so that a library wrapping
+    it in another exception cannot hide it."""
+
+    def __init__(self, file):
+        self._file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
 
 
 def _fsync_dir(directory: pathlib.Path) -> None:
@@ -92,10 +121,15 @@ class CheckpointManager:
         self.identity = identity
 
     def save(self, step: int, payload: dict) -> pathlib.Path:
-        """Write the checkpoint of ``step`` atomically; prune old ones. Returns its path."""
+        """Write the checkpoint of ``step`` atomically; prune old ones. Returns its path.
+
+        Raises:
+          CheckpointError: it could not be written (a full disk, no permission); the
+            directory is left as it was, earlier checkpoints intact.
+        """
+        path = self.directory / f"ckpt-{step:08d}.pt"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            path = self.directory / f"ckpt-{step:08d}.pt"
             _write_atomic(path, lambda f: torch.save(payload, f))
             manifest = {"format": FORMAT, "step": step, "file": path.name,
                         "bytes": path.stat().st_size, "sha256": file_sha256(path),
@@ -104,10 +138,37 @@ class CheckpointManager:
             text = json.dumps(manifest, indent=1, sort_keys=True).encode()
             _write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
         except OSError as exc:
-            raise CheckpointError(f"cannot write a checkpoint to {str(self.directory)!r}: "
-                                  f"{exc.strerror or exc}") from None
+            if not path.with_suffix(".json").exists():  # a payload without its manifest
+                with _suppress():
+                    path.unlink()
+            raise CheckpointError(f"cannot write a checkpoint to {str(self.directory)!r} "
+                                  f"(step {step}): {exc.strerror or exc}; "
+                                  f"{self._newest()}") from None
         self._prune()
         return path
+
+    def _newest(self) -> str:
+        manifests = self.manifests()
+        if not manifests:
+            return "no earlier checkpoint exists"
+        return (f"the newest complete one, {manifests[-1].with_suffix('.pt').name}, is "
+                "intact")
+
+    def remove_incomplete(self) -> list[str]:
+        """Delete what a crash mid-save leaves: temp files, and a payload whose manifest
+        was never written (it cannot be verified, so it is never loaded). Returns the
+        names removed."""
+        if not self.directory.is_dir():
+            return []
+        complete = {m.with_suffix(".pt").name for m in self.manifests()}
+        removed = []
+        for path in self.directory.iterdir():
+            payload = re.fullmatch(r"ckpt-\d{8,}\.pt", path.name)
+            if _TEMP.match(path.name) or payload and path.name not in complete:
+                with _suppress():
+                    path.unlink()
+                    removed.append(path.name)
+        return sorted(removed)
 
     def manifests(self) -> list[pathlib.Path]:
         """Manifest paths, oldest first."""
@@ -169,13 +230,21 @@ class CheckpointManager:
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint manifest {str(path)!r} is unreadable: "
                                   f"{exc}{advice}") from None
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"checkpoint manifest {str(path)!r} is not a JSON object"
+                                  f"{advice}")
         missing = {"format", "step", "file", "bytes", "sha256", "identity"} - set(manifest)
         if missing:
             raise CheckpointError(f"checkpoint manifest {str(path)!r} lacks "
                                   f"{', '.join(sorted(missing))}{advice}")
         if manifest["format"] != FORMAT:
             raise CheckpointError(f"checkpoint {str(path)!r} has format "
-                                  f"{manifest['format']}; this csrun reads format {FORMAT}")
+                                  f"{manifest['format']!r:.40}; this csrun reads format "
+                                  f"{FORMAT}")
+        wrong = [key for key, ok in _MANIFEST_FIELDS.items() if not ok(manifest[key], path)]
+        if wrong:
+            raise CheckpointError(f"checkpoint manifest {str(path)!r} is malformed (bad "
+                                  f"{', '.join(wrong)}){advice}")
         return manifest
 
     def _verify(self, path: pathlib.Path, manifest: dict, advice: str) -> None:
@@ -201,6 +270,17 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {str(path)!r} is from a different run "
                                   f"({shown}); resume with the config it was made with, or "
                                   "use another checkpoint.dir")
+
+
+# What each manifest field must be. ``file`` must name the manifest's own payload: a
+# manifest cannot point elsewhere (``../../x``).
+_MANIFEST_FIELDS = {
+    "step": lambda v, path: type(v) is int and v >= 0,
+    "file": lambda v, path: v == path.with_suffix(".pt").name,
+    "bytes": lambda v, path: type(v) is int and v >= 0,
+    "sha256": lambda v, path: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v),
+    "identity": lambda v, path: isinstance(v, dict),
+}
 
 
 def _show(value: Any) -> str:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import pathlib
 from typing import Annotated, Any, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue,
+                      ValidationError)
 
 from .problems import ConfigError, Problem
-from .safe_yaml import YamlDocument, load_yaml
+from .safe_yaml import MAX_BYTES, YamlDocument, load_yaml
 
 __all__ = [
     "RunConfig", "StrategyConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
@@ -30,7 +31,24 @@ __all__ = [
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are refused everywhere: no setting means them, and they would
+    # surface much later as a non-finite loss
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Integers are 64-bit: torch, numpy and itertools take no more, and a value past that is
+# a typo, not a size; refusing it here keeps it from failing deep inside a run.
+# (A validator, not ge/le bounds: those would replace a field's own ge=0.)
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def _int64(value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{value} does not fit in 64 bits (at most {INT64_MAX})")
+    return value
+
+
+Int64 = Annotated[int, AfterValidator(_int64)]
 
 
 # -- strategy -----------------------------------------------------------------------------
@@ -58,9 +76,9 @@ class RangeSource(_Section):
     """Integers `start, start+step, ... < stop`: each example is `x = [i]`, target `[i]`."""
 
     kind: Literal["range"] = Field(description="`range`: integers, for checking pipelines.")
-    start: int = Field(0, description="First integer.")
-    stop: int = Field(description="End (exclusive).")
-    step: int = Field(1, description="Stride between integers (not 0).")
+    start: Int64 = Field(0, description="First integer.")
+    stop: Int64 = Field(description="End (exclusive).")
+    step: Int64 = Field(1, description="Stride between integers (not 0).")
 
 
 class SyntheticSource(_Section):
@@ -69,12 +87,13 @@ class SyntheticSource(_Section):
     kind: Literal["synthetic"] = Field(description="`synthetic`: generated from `seed`.")
     task: Literal["classification", "regression"] = Field(
         "classification", description="Class labels (blobs) or real targets (linear map).")
-    examples: int = Field(1024, gt=0, description="Number of examples.")
-    features: int = Field(16, gt=0, description="Features per example.")
-    classes: int = Field(4, ge=2, description="Number of classes (classification).")
-    targets: int = Field(1, gt=0, description="Target values per example (regression).")
+    examples: Int64 = Field(1024, gt=0, description="Number of examples.")
+    features: Int64 = Field(16, gt=0, description="Features per example.")
+    classes: Int64 = Field(4, ge=2, description="Number of classes (classification).")
+    targets: Int64 = Field(1, gt=0, description="Target values per example (regression).")
     noise: float = Field(0.5, ge=0, description="Standard deviation of the added noise.")
-    seed: int = Field(0, description="Seed of the generator (independent of `train.seed`).")
+    seed: Int64 = Field(0, ge=0, description="Seed of the generator (independent of "
+                        "`train.seed`).")
 
 
 class FileSource(_Section):
@@ -85,7 +104,7 @@ class FileSource(_Section):
                       "directory.")
     features_key: str = Field("x", description="(`.npz`) the array of features.")
     target_key: str = Field("y", description="(`.npz`) the array of targets.")
-    target_column: int | str = Field(
+    target_column: Int64 | str = Field(
         -1, description="(`.npy`, `.csv`) the column holding the target: an index "
         "(negative counts from the end) or, for a `.csv` with a header, a name. The other "
         "columns are the features.")
@@ -111,9 +130,9 @@ class ShuffleStep(_Section):
     """Shuffle with a buffer, as `tf.data.Dataset.shuffle` does."""
 
     op: Literal["shuffle"] = Field(description="`shuffle`.")
-    buffer: int = Field(gt=0, description="Buffer size; at least the dataset size for a "
+    buffer: Int64 = Field(gt=0, description="Buffer size; at least the dataset size for a "
                         "uniform shuffle.")
-    seed: int | None = Field(None, description="Seed; default: `train.seed`.")
+    seed: Int64 | None = Field(None, description="Seed; default: `train.seed`.")
     reshuffle_each_iteration: bool = Field(True, description="A new order every epoch.")
 
 
@@ -121,7 +140,7 @@ class BatchStep(_Section):
     """Group consecutive elements into batches."""
 
     op: Literal["batch"] = Field(description="`batch`.")
-    size: int = Field(gt=0, description="The *global* batch size (all replicas together). "
+    size: Int64 = Field(gt=0, description="The *global* batch size (all replicas together). "
                       "With `dataset.distribute: per_replica` each pipeline batches "
                       "`size / replicas` (it must divide).")
     drop_remainder: bool = Field(False, description="Drop a last, smaller batch.")
@@ -131,7 +150,7 @@ class RepeatStep(_Section):
     """Repeat what comes before (reshuffled each time)."""
 
     op: Literal["repeat"] = Field(description="`repeat`.")
-    count: int | None = Field(None, gt=0, description="Times to repeat; null: forever "
+    count: Int64 | None = Field(None, gt=0, description="Times to repeat; null: forever "
                               "(then use `train.steps`).")
 
 
@@ -139,23 +158,23 @@ class TakeStep(_Section):
     """Keep only the first `count` elements (batches, after `batch`)."""
 
     op: Literal["take"] = Field(description="`take`.")
-    count: int = Field(ge=0, description="Elements to keep.")
+    count: Int64 = Field(ge=0, description="Elements to keep.")
 
 
 class SkipStep(_Section):
     """Drop the first `count` elements (batches, after `batch`)."""
 
     op: Literal["skip"] = Field(description="`skip`.")
-    count: int = Field(ge=0, description="Elements to drop.")
+    count: Int64 = Field(ge=0, description="Elements to drop.")
 
 
 class ShardStep(_Section):
     """Keep every `num_shards`-th element, starting at `index`."""
 
     op: Literal["shard"] = Field(description="`shard`.")
-    num_shards: int | None = Field(None, gt=0, description="Shards; null: one per input "
+    num_shards: Int64 | None = Field(None, gt=0, description="Shards; null: one per input "
                                    "pipeline (`InputContext.num_input_pipelines`).")
-    index: int | None = Field(None, ge=0, description="This shard; null: the input "
+    index: Int64 | None = Field(None, ge=0, description="This shard; null: the input "
                               "pipeline id (`InputContext.input_pipeline_id`).")
 
 
@@ -164,7 +183,7 @@ class MapStep(_Section):
 
     op: Literal["map"] = Field(description="`map`.")
     fn: str = Field(description="`package.module:function` taking and returning `(x, y)`.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword "
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Extra keyword "
                                    "arguments of `fn`.")
 
 
@@ -181,7 +200,7 @@ class PrefetchStep(_Section):
     """Read ahead while the replicas compute."""
 
     op: Literal["prefetch"] = Field(description="`prefetch`.")
-    buffer: int = Field(2, gt=0, description="Steps read ahead (the distributed iterator's "
+    buffer: Int64 = Field(2, gt=0, description="Steps read ahead (the distributed iterator's "
                         "buffer, and the DataLoader's `prefetch_factor` with workers).")
 
 
@@ -207,7 +226,7 @@ class DatasetConfig(_Section):
     replication: Literal["per_worker", "per_replica"] = Field(
         "per_worker", description="(`distribute: per_replica`) one pipeline dealing batches "
         "to the replicas in turn, or one pipeline per replica (`InputReplicationMode`).")
-    workers: int = Field(0, ge=0, description="DataLoader worker processes (0: load in the "
+    workers: Int64 = Field(0, ge=0, description="DataLoader worker processes (0: load in the "
                          "main process, fastest for small in-memory data).")
     pin_memory: bool | Literal["auto"] = Field(
         "auto", description="Pin host batches for fast GPU copies; `auto`: when a compute "
@@ -232,7 +251,7 @@ class MLPModel(_Section):
     """A multi-layer perceptron over the flattened features."""
 
     kind: Literal["mlp"] = Field(description="`mlp`.")
-    hidden: list[Annotated[int, Field(gt=0)]] = Field(
+    hidden: list[Annotated[Int64, Field(gt=0)]] = Field(
         default_factory=lambda: [64], description="Width of each hidden layer.")
     activation: Literal["relu", "gelu", "tanh", "sigmoid"] = Field(
         "relu", description="Activation after each hidden layer.")
@@ -244,13 +263,13 @@ class CNNModel(_Section):
     """A small convolutional network for `C x H x W` (or `H x W`) images."""
 
     kind: Literal["cnn"] = Field(description="`cnn`.")
-    channels: list[Annotated[int, Field(gt=0)]] = Field(
+    channels: list[Annotated[Int64, Field(gt=0)]] = Field(
         default_factory=lambda: [16, 32], description="Output channels of each "
         "convolution; each is followed by ReLU and, while the image is at least 2x2, a 2x2 "
         "max-pool.")
-    kernel_size: int = Field(3, gt=0, description="Convolution kernel size (padding keeps "
+    kernel_size: Int64 = Field(3, gt=0, description="Convolution kernel size (padding keeps "
                              "the size).")
-    hidden: int = Field(64, gt=0, description="Width of the dense layer before the output.")
+    hidden: Int64 = Field(64, gt=0, description="Width of the dense layer before the output.")
     batch_norm: bool = Field(False, description="BatchNorm after each convolution "
                              "(synchronized across replicas by the strategy).")
     loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
@@ -261,8 +280,8 @@ class ImportedModel(_Section):
 
     kind: Literal["import"] = Field(description="`import`.")
     target: str = Field(description="`package.module:Class`.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Constructor keyword "
-                                   "arguments.")
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Constructor "
+                                         "keyword arguments.")
     loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
 
 
@@ -276,7 +295,7 @@ class ScheduleConfig(_Section):
 
     name: str = Field(description="Class in `torch.optim.lr_scheduler` (`StepLR`, "
                       "`CosineAnnealingLR`, `OneCycleLR`, ...).")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Its keyword "
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Its keyword "
                                    "arguments (not `optimizer`).")
     interval: Literal["step", "epoch"] = Field("step", description="Call `scheduler.step()` "
                                                "after every step or every epoch.")
@@ -288,7 +307,7 @@ class OptimizerConfig(_Section):
     name: str = Field("SGD", description="Class in `torch.optim` (`SGD`, `Adam`, `AdamW`, "
                       "...).")
     lr: float = Field(0.01, gt=0, description="Learning rate.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Other keyword "
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Other keyword "
                                    "arguments (`momentum`, `weight_decay`, ...).")
     schedule: ScheduleConfig | None = Field(None, description="Optional learning-rate "
                                             "schedule.")
@@ -297,14 +316,14 @@ class OptimizerConfig(_Section):
 class TrainConfig(_Section):
     """How long to train, and how reproducibly."""
 
-    steps: int | None = Field(None, gt=0, description="Optimizer steps to run (the "
+    steps: Int64 | None = Field(None, gt=0, description="Optimizer steps to run (the "
                               "pipeline restarts, reshuffled, when it runs out). Give "
                               "`steps` or `epochs`.")
-    epochs: int | None = Field(None, gt=0, description="Full passes over the pipeline. "
+    epochs: Int64 | None = Field(None, gt=0, description="Full passes over the pipeline. "
                                "Give `steps` or `epochs`.")
-    seed: int = Field(0, description="Seeds torch, numpy, Python's random, shuffles and "
+    seed: Int64 = Field(0, description="Seeds torch, numpy, Python's random, shuffles and "
                       "the holdout split: same seed and config, same `params_sha256`.")
-    log_every: int = Field(50, gt=0, description="Steps between per-replica tables.")
+    log_every: Int64 = Field(50, gt=0, description="Steps between per-replica tables.")
 
 
 class CheckpointConfig(_Section):
@@ -312,9 +331,9 @@ class CheckpointConfig(_Section):
 
     dir: str | None = Field(None, description="Directory of checkpoints (relative to the "
                             "current directory); null: no checkpoints.")
-    every_steps: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at "
+    every_steps: Int64 = Field(0, ge=0, description="Steps between checkpoints; 0: only at "
                              "the end and on Ctrl-C.")
-    keep: int = Field(3, gt=0, description="How many of the newest checkpoints to keep.")
+    keep: Int64 = Field(3, gt=0, description="How many of the newest checkpoints to keep.")
 
 
 class RunConfig(_Section):
@@ -350,15 +369,38 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunC
       ConfigError: every problem found, each with its dotted path, ``file:line`` and hint.
     """
     path = pathlib.Path(path)
+    return load_config_text(_read_config(path), str(path), overrides)
+
+
+def _read_config(path: pathlib.Path) -> str:
+    """The text of a config file, or a ConfigError that says why there is none."""
+    if path.is_dir():
+        names = sorted(p.name for p in path.glob("*.y*ml"))
+        raise ConfigError([Problem("", f"{str(path)!r} is a directory, not a config file",
+                                   f"YAML files in it: {', '.join(names)}" if names else
+                                   "give the path of a .yaml file")])
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            # at most one byte past the limit: a device (/dev/zero) or a huge file costs
+            # no more than a config would
+            data = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError([Problem("", f"config file {str(path)!r} not found",
                                    _sibling_hint(path))]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([Problem("", f"cannot read config file {str(path)!r}: {exc}")]) \
+    except OSError as exc:
+        raise ConfigError([Problem("", f"cannot read config file {str(path)!r}: "
+                                   f"{exc.strerror or exc}", "check its permissions")]) \
             from None
-    return load_config_text(text, str(path), overrides)
+    if len(data) > MAX_BYTES:
+        raise ConfigError([Problem("", f"the file is larger than {MAX_BYTES} bytes; a "
+                                   "config is a few kilobytes", file=str(path))])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([Problem("", f"the file is not UTF-8 text (byte 0x{data[exc.start]:02x}"
+                                   f" at offset {exc.start})", "save it as UTF-8 YAML; is it "
+                                   "a binary file?", str(path), line)]) from None
 
 
 def load_config_text(text: str, file: str | None = None,
@@ -392,10 +434,15 @@ def _sibling_hint(path: pathlib.Path) -> str | None:
     folder = path.parent if str(path.parent) else pathlib.Path(".")
     if not folder.is_dir():
         return None
-    names = sorted(p.name for p in folder.glob("*.y*ml"))
+    files = {p.stem: p.name for p in folder.glob("*.y*ml") if p.is_file()}
+    names = sorted(files.values())
     from .problems import did_you_mean
-    return did_you_mean(path.name, names) or (
-        f"YAML files in {str(folder)!r}: {', '.join(names)}" if names else None)
+    # compare the stems: a shared ".yaml" would make unrelated names look alike
+    close = did_you_mean(path.stem, sorted(files))
+    if close:
+        return f"did you mean {files[close.split(chr(39))[1]]!r}?"
+    listed = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    return f"YAML files in {str(folder)!r}: {listed}" if names else None
 
 
 # -- overrides ----------------------------------------------------------------------------
@@ -412,7 +459,7 @@ def parse_override(text: str) -> tuple[tuple, Any]:
                                    "write e.g. train.steps=100 or "
                                    "strategy.compute_devices=[CPU:0,CPU:1]",
                                    origin=f"override {text!r}")])
-    path = tuple(int(p) if p.isdigit() else p for p in key.split("."))
+    path = _key_path(key)
     try:
         value = load_yaml(raw, f"override {text!r}").data
     except ConfigError as exc:
@@ -420,6 +467,12 @@ def parse_override(text: str) -> tuple[tuple, Any]:
             problem.path, problem.origin = key, f"override {text!r}"
         raise
     return path, value
+
+
+def _key_path(dotted: str) -> tuple:
+    """``"a.b.0"`` -> ``("a", "b", 0)``; only ASCII digits make an index (``"²"`` has
+    ``isdigit()`` but is no number)."""
+    return tuple(int(p) if p.isascii() and p.isdigit() else p for p in dotted.split("."))
 
 
 def _apply_overrides(data: dict, overrides: Sequence[str], origins: dict) -> list[Problem]:
@@ -443,7 +496,11 @@ def _set_path(data: dict, path: tuple, value: Any) -> None:
     for depth, part in enumerate(path):
         last = depth == len(path) - 1
         where = ".".join(str(p) for p in path[:depth]) or "the config"
-        if isinstance(node, list) and isinstance(part, int):
+        if isinstance(node, list) and not isinstance(part, int):
+            raise _override_error(path, f"{where} is a list; {part!r} is not an index",
+                                  f"address its items by number, 0..{len(node)} "
+                                  f"({len(node)} appends)")
+        if isinstance(node, list):
             if part > len(node):
                 raise _override_error(path, f"{where} has {len(node)} items; index {part} "
                                       "is past the end", f"use 0..{len(node)} ({len(node)} "
@@ -584,6 +641,14 @@ def _describe(error: dict, loc: tuple) -> tuple[str, str | None]:
         return (f"{value!r} is not allowed; expected {ctx.get('expected')}",
                 did_you_mean(value, [o.strip("'") for o in options]))
     shown = "" if isinstance(value, (dict, list)) else f" (got {value!r:.60})"
+    if kind == "value_error":  # our own validators say what they got
+        return error["msg"].removeprefix("Value error, "), None
+    if kind == "string_type" and isinstance(value, bool):  # the "Norway problem"
+        return f"{error['msg']}{shown}", ("YAML reads yes/no/on/off/true/false as "
+                                          "booleans: quote the text, e.g. 'off'")
+    if kind == "invalid-json-value":
+        return f"{error['msg']}{shown}", ("kwargs hold plain YAML data: numbers, text, "
+                                          "booleans, null, lists and mappings")
     return f"{error['msg']}{shown}", None
 
 
@@ -640,15 +705,20 @@ def _tag_of(model: Any) -> str | None:
 
 
 def _locate(problem: Problem, document: YamlDocument, origins: dict) -> Problem:
-    """Fill in where the problem's value came from: an override, else ``file:line``."""
+    """Fill in where the problem's value came from: an override that set it (or set a
+    value inside it: ``model.hidden.0=...`` for a problem with ``model.hidden``), else
+    ``file:line``."""
     if problem.origin or problem.line:
         return problem
-    path = tuple(int(p) if p.isdigit() else p for p in problem.path.split(".")) \
-        if problem.path else ()
+    path = _key_path(problem.path) if problem.path else ()
     for set_path, origin in origins.items():
         if path[:len(set_path)] == set_path:
             problem.origin = origin
             return problem
     problem.file = document.file
     problem.line = document.line_of(path)
+    inside = [origin for set_path, origin in origins.items()
+              if path and set_path[:len(path)] == path]
+    if inside:
+        problem.origin = inside[-1]
     return problem

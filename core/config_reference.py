@@ -33,8 +33,11 @@ command line with dotted `key=value` overrides after the config path (values are
 YAML: `train.steps=200`, `strategy.compute_devices=[CPU:0,CPU:1]`,
 `dataset.steps.1.size=128`). Precedence: **override > file > default**.
 
-Unknown keys are errors (with a did-you-mean). `validate` and `train` report every
-problem at once with its dotted path and `file:line`, and exit with code 2.
+Unknown keys are errors (with a did-you-mean). Integers are 64-bit (at most
+9223372036854775807) and numbers must be finite (no `.nan` or `.inf`); `kwargs` hold
+plain YAML data (numbers, strings, booleans, null, lists and mappings). `validate` and
+`train` report every problem at once with its dotted path and `file:line`, and exit with
+code 2.
 """
 
 

@@ -23,6 +23,7 @@ import importlib.resources
 import itertools
 import pathlib
 import random
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -33,8 +34,8 @@ from .problems import ConfigError, Problem
 if TYPE_CHECKING:  # pragma: no cover
     from .config import DatasetConfig
 
-__all__ = ["SourceData", "load_source", "split_holdout", "Pipeline", "import_object",
-           "derive_seed"]
+__all__ = ["SourceData", "load_source", "source_bytes", "split_holdout", "Pipeline",
+           "import_object", "derive_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +87,36 @@ def load_source(source: Any) -> SourceData:
     return loader(source)
 
 
+def source_bytes(source: Any) -> int | None:
+    """About the peak memory of loading ``source``, known before loading it (a generated
+    source could be too big to make); None when it is what the file is on disk.
+    """
+    per_example = 64  # its index in the plan's Python lists and the holdout permutation
+    if source.kind == "range":
+        return _range_count(source.start, source.stop, source.step) * (8 + per_example)
+    if source.kind != "synthetic":
+        return None
+    n, f = source.examples, source.features
+    per_example += f * (8 + 8 + 4)  # float64 draws and noise, then the float32 features
+    if source.task == "classification":
+        return n * (per_example + 16) + source.classes * f * 8
+    return n * (per_example + source.targets * 20) + f * source.targets * 8
+
+
+def _range_count(start: int, stop: int, step: int) -> int:
+    # len(range(...)) overflows past sys.maxsize; the arithmetic does not
+    if step == 0:
+        return 0
+    return max(0, (stop - start + step - (1 if step > 0 else -1)) // step)
+
+
 def _range(source) -> SourceData:
     if source.step == 0:
         raise ConfigError([Problem("dataset.source.step", "must not be 0")])
+    if _range_count(source.start, source.stop, source.step) == 0:
+        raise ConfigError([Problem("dataset.source", f"range({source.start}, {source.stop}, "
+                                   f"{source.step}) holds no integers",
+                                   "stop must lie past start in the direction of step")])
     values = torch.arange(source.start, source.stop, source.step, dtype=torch.float32)
     column = values.reshape(-1, 1)
     return SourceData(column, column.clone(), "regression", None,
@@ -114,7 +142,7 @@ def _synthetic(source) -> SourceData:
 
 def _digits(source) -> SourceData:
     with importlib.resources.files("csrun.core").joinpath("data/digits.npz").open("rb") as f:
-        arrays = np.load(f)
+        arrays = np.load(f, allow_pickle=False)
         images, labels = arrays["images"], arrays["labels"]
     x = torch.tensor(images, dtype=torch.float32)
     if source.scale:
@@ -124,24 +152,50 @@ def _digits(source) -> SourceData:
                       "UCI optical digits (1797 8x8 images)")
 
 
+# What each kind of file starts with; anything else is not that kind of file.
+_MAGIC = {".npz": (b"PK\x03\x04", b"PK\x05\x06"), ".npy": (b"\x93NUMPY",)}
+_FORMATS = {".npz": "a .npz (a zip of .npy arrays, from numpy.savez)",
+            ".npy": "a .npy (a NumPy array, from numpy.save)",
+            ".csv": "a .csv (comma-separated numbers, UTF-8)"}
+
+
 def _file(source) -> SourceData:
     path = pathlib.Path(source.path)
     suffix = path.suffix.lower()
-    if suffix not in (".npz", ".npy", ".csv"):
+    if suffix not in _FORMATS:
         raise _source_error("path", f"{source.path!r} is not a .npz, .npy or .csv file")
+    _check_file(path, source.path, suffix)
+    try:
+        with warnings.catch_warnings():  # numpy warns of an empty table; we say so below
+            warnings.simplefilter("ignore")
+            x, y = _npz(path, source) if suffix == ".npz" else _table(path, source, suffix)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - numpy and zipfile raise many kinds
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise _source_error("path", f"cannot read {source.path!r} as {_FORMATS[suffix]}: "
+                            f"{type(exc).__name__}: {reason}", "is it complete (not "
+                            "truncated) and written by NumPy (or as plain CSV)?") from None
+    return _from_arrays(x, y, source, path.name)
+
+
+def _check_file(path: pathlib.Path, shown: str, suffix: str) -> None:
+    """The file exists, can be read, and starts as its kind of file does."""
+    if path.is_dir():
+        raise _source_error("path", f"{shown!r} is a directory, not a data file")
     if not path.is_file():
-        raise _source_error("path", f"file {source.path!r} not found (relative paths start "
+        raise _source_error("path", f"file {shown!r} not found (relative paths start "
                             f"at the current directory, {str(pathlib.Path.cwd())!r})")
     try:
-        if suffix == ".npz":
-            x, y = _npz(path, source)
-        else:
-            x, y = _table(path, source, suffix)
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise _source_error("path", f"cannot read {source.path!r}: {exc}") from None
-    return _from_arrays(x, y, source, path.name)
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as exc:
+        raise _source_error("path", f"cannot read {shown!r}: {exc.strerror or exc}",
+                            "check the file's permissions") from None
+    if suffix in _MAGIC and not head.startswith(_MAGIC[suffix]) or \
+            suffix == ".csv" and b"\0" in head:
+        raise _source_error("path", f"{shown!r} is not {_FORMATS[suffix]}",
+                            "is it damaged, or another kind of file?")
 
 
 def _source_error(field: str, message: str, hint: str | None = None) -> ConfigError:
@@ -157,7 +211,11 @@ def _npz(path: pathlib.Path, source) -> tuple[np.ndarray, np.ndarray]:
                     if key not in arrays.files]
         if problems:
             raise ConfigError(problems)
-        return arrays[source.features_key], arrays[source.target_key]
+        x, y = arrays[source.features_key], arrays[source.target_key]
+    if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):  # a non-.npy member
+        raise _source_error("path", f"{path.name}: {source.features_key!r} and "
+                            f"{source.target_key!r} must be .npy arrays inside the .npz")
+    return x, y
 
 
 def _table(path: pathlib.Path, source, suffix: str) -> tuple[np.ndarray, np.ndarray]:
@@ -171,6 +229,8 @@ def _table(path: pathlib.Path, source, suffix: str) -> tuple[np.ndarray, np.ndar
         if any(not _is_number(c) for c in cells):
             header = cells
         table = np.loadtxt(path, delimiter=",", skiprows=1 if header else 0, ndmin=2)
+    if table.size == 0:
+        raise _source_error("path", f"{path.name} has no data rows")
     if table.ndim != 2 or table.shape[1] < 2:
         raise _source_error("path", f"{path.name} must be a 2-D table with at least 2 "
                             f"columns (features and a target), got shape {table.shape}")
@@ -203,15 +263,14 @@ def _column_index(column: int | str, header: list[str], width: int) -> int:
 
 
 def _from_arrays(x: np.ndarray, y: np.ndarray, source, name: str) -> SourceData:
-    if len(x) != len(y) or len(x) == 0:
-        raise _source_error("path", f"{name}: {len(x)} feature rows and {len(y)} targets; "
-                            "they must match and not be empty")
-    if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)):
-        raise _source_error("path", f"{name}: features and targets must be numeric")
+    _check_shapes(x, y, name)
+    with np.errstate(over="ignore"):  # a value past float32's range: refused just below
+        features = torch.tensor(np.asarray(x, dtype=np.float32))
+    _check_finite(features, "features", name)
+    _check_finite(torch.tensor(np.asarray(y, dtype=np.float64)), "targets", name)
     whole = bool(np.all(np.mod(y, 1) == 0)) and y.ndim == 1
     task = source.task if source.task != "auto" else (
         "classification" if whole else "regression")
-    features = torch.tensor(np.asarray(x, dtype=np.float32))
     if task == "classification":
         if not whole or y.min() < 0:
             raise _source_error("task", f"{name}: classification needs whole, non-negative "
@@ -220,6 +279,37 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, source, name: str) -> SourceData:
         return SourceData(features, labels, task, int(labels.max()) + 1, name)
     targets = torch.tensor(np.asarray(y, dtype=np.float32)).reshape(len(y), -1)
     return SourceData(features, targets, task, None, name)
+
+
+def _check_shapes(x: np.ndarray, y: np.ndarray, name: str) -> None:
+    """One row per example in both arrays, real numbers, at least one feature."""
+    if x.ndim < 2 or y.ndim < 1:
+        raise _source_error("path", f"{name}: features need the shape (examples, features"
+                            f"...) and targets (examples,...); got {x.shape} and {y.shape}",
+                            "save one row per example, e.g. x.reshape(-1, 1) for one feature")
+    if len(x) != len(y) or len(x) == 0:
+        raise _source_error("path", f"{name}: {len(x)} feature rows and {len(y)} targets; "
+                            "they must match and not be empty")
+    if 0 in x.shape[1:]:
+        raise _source_error("path", f"{name}: the examples have no features (shape "
+                            f"{x.shape})")
+    for what, array in (("features", x), ("targets", y)):
+        if not np.issubdtype(array.dtype, np.number) or \
+                np.issubdtype(array.dtype, np.complexfloating):
+            raise _source_error("path", f"{name}: the {what} have dtype {array.dtype}; they "
+                                "must be real numbers (int or float)",
+                                "convert them, e.g. array.astype('float32')")
+
+
+def _check_finite(values: torch.Tensor, what: str, name: str) -> None:
+    """No NaN or infinity (nor a number past float32's range, which becomes infinity):
+    they would only show later, as a non-finite loss."""
+    bad = ~torch.isfinite(values)
+    if bool(bad.any()):
+        rows = bad.reshape(len(values), -1).any(1).nonzero().flatten()
+        raise _source_error("path", f"{name}: the {what} hold {int(bad.sum())} NaN or "
+                            f"infinite value(s) (or beyond float32's range), the first in "
+                            f"row {int(rows[0])}", "clean the data: drop or fill those rows")
 
 
 def split_holdout(count: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

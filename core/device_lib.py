@@ -15,9 +15,23 @@ from typing import Any
 
 import torch
 
-from .devices import default_compute_devices, default_parameter_device, local_devices
+from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
+                      local_devices)
 
-__all__ = ["list_local_devices"]
+__all__ = ["list_local_devices", "memory_bytes"]
+
+
+def memory_bytes(device: LogicalDevice) -> int | None:
+    """Total memory of ``device``: the host's RAM for (logical) CPUs, a GPU's own memory;
+    None where it cannot be known."""
+    if device.is_gpu:
+        if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+            return None
+        return int(torch.cuda.get_device_properties(device.index).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
 
 
 def list_local_devices() -> dict[str, Any]:

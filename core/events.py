@@ -102,7 +102,8 @@ class Evaluated(_Event):
 class RunResult(_Event):
     """The outcome of a run (also ``csrun train --json``).
 
-    ``status`` is ``"completed"`` or ``"interrupted"`` (Ctrl-C: saved, exit 130).
+    ``status`` is ``"completed"`` or ``"interrupted"`` (Ctrl-C or SIGTERM: saved first;
+    ``signal`` names which, and the CLI exits 128 + its number: 130 or 143).
     """
 
     status: str
@@ -120,3 +121,4 @@ class RunResult(_Event):
     params_sha256: str
     strategy: dict[str, Any]
     checkpoint: dict[str, Any]
+    signal: str | None = None  # "SIGINT" or "SIGTERM" when interrupted by one

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING, Callable
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import ModelConfig
 
 __all__ = ["build_model", "resolve_loss", "make_loss", "check_model", "count_parameters",
-           "LOSSES"]
+           "model_bytes", "LOSSES"]
 
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 LOSSES = {
@@ -132,6 +133,15 @@ def check_model(config: "ModelConfig", feature_shape: tuple, outputs: int,
                         f"{task} data needs [2, {outputs}]",
                         "set the model's output size to the classes (or targets)")]
     return []
+
+
+def model_bytes(config: "ModelConfig", feature_shape: tuple, outputs: int) -> int:
+    """Bytes of the model's parameters and buffers, measured on the meta device (nothing
+    is allocated, so a model too big for any machine costs nothing to measure)."""
+    with torch.device("meta"):
+        model = build_model(config, feature_shape, outputs)
+    return sum(t.numel() * t.element_size()
+               for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -8,15 +8,20 @@ are valid, so one pass reports every problem.
 
 from __future__ import annotations
 
+import os
+import pathlib
 from typing import Any
 
-from .datasets import Pipeline, SourceData, load_source, split_holdout
-from .devices import DeviceError, default_compute_devices, resolve_device
-from .models import check_model
+from .datasets import Pipeline, SourceData, load_source, source_bytes, split_holdout
+from .device_lib import memory_bytes
+from .devices import (DeviceError, default_compute_devices, default_parameter_device,
+                      resolve_device)
+from .models import check_model, model_bytes
 from .optimizers import check_optimizer
 from .problems import ConfigError, Problem
 
-__all__ = ["preflight", "replica_count"]
+__all__ = ["preflight", "replica_count", "check_devices", "check_checkpoint_dir",
+           "check_writable"]
 
 
 def preflight(sections: dict[str, Any]) -> list[Problem]:
@@ -28,6 +33,8 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
         problems += check_devices(strategy)
     if optimizer is not None:
         problems += check_optimizer(optimizer)
+    if sections.get("checkpoint") is not None:
+        problems += check_checkpoint_dir(sections["checkpoint"])
     if train is not None and (train.steps is None) == (train.epochs is None):
         problems.append(Problem("train", "give exactly one of steps and epochs" +
                                 (" (both are set)" if train.steps else ""),
@@ -38,7 +45,8 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
     data, pipeline, found = _check_data(dataset, seed)
     problems += found
     if data is not None and model is not None:
-        problems += check_model(model, data.feature_shape, data.outputs, data.task)
+        found = check_model(model, data.feature_shape, data.outputs, data.task)
+        problems += found or _check_model_memory(model, data, strategy)
     if pipeline is not None and strategy is not None and not _has(problems, "strategy"):
         problems += _check_distribution(dataset, pipeline, replica_count(strategy), train)
     return problems
@@ -75,22 +83,112 @@ def check_devices(strategy) -> list[Problem]:
     return problems
 
 
+def check_checkpoint_dir(checkpoint) -> list[Problem]:
+    """``checkpoint.dir`` is, or can become, a writable directory: found now, not when
+    the first checkpoint of a long run fails to save."""
+    return check_writable(checkpoint.dir, "checkpoint.dir", directory=True)
+
+
+def check_writable(path: str | None, field: str, *, directory: bool = False) -> list[Problem]:
+    """``path`` can be written as a file (or, with ``directory``, a folder): it is not the
+    other kind, and the nearest folder that exists on its way can be written in. Nothing
+    is created (``validate`` has no side effects); ``-`` (stdout) and None pass."""
+    if not path or path == "-":
+        return []
+    target = pathlib.Path(path)
+    if not directory and target.is_dir():
+        return [Problem(field, f"{path!r} is a directory", "give a file name")]
+    start = target if directory else target.parent
+    existing = next(p for p in (start, *start.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        return [Problem(field, f"{str(existing)!r} is a file, not a directory",
+                        "choose another path")]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [Problem(field, f"cannot write in {str(existing)!r} (permission denied)",
+                        "choose a path you can write to")]
+    return []
+
+
 def _device(spec: str, field: str, problems: list[Problem]):
     try:
         return resolve_device(spec)
     except DeviceError as exc:
         message, _, hint = str(exc).partition("; available")
         problems.append(Problem(field, message, f"available{hint}" if hint else None))
-        return None
+    except ValueError:  # the parser's int() of a digit that is not ASCII ('replica:²')
+        problems.append(Problem(field, f"cannot parse device {spec!r}", "use forms like "
+                                "'CPU:0', '/gpu:1', '/job:localhost/replica:0/task:0/"
+                                "device:CPU:0', 'cuda:1'"))
+    return None
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:,.1f} GiB"
+
+
+def _check_model_memory(model, data: SourceData, strategy) -> list[Problem]:
+    """The parameters and their gradients fit in the parameter device's memory: the
+    least central storage needs (an optimizer keeps more)."""
+    if strategy is None:
+        return []
+    try:
+        device = resolve_device(strategy.parameter_device) if strategy.parameter_device \
+            else default_parameter_device(default_compute_devices())[0]
+    except ValueError:  # reported by check_devices
+        return []
+    needed, available = 2 * model_bytes(model, data.feature_shape, data.outputs), \
+        memory_bytes(device)
+    if available is None or needed <= available:
+        return []
+    # where the size comes from: the layer widths, the constructor's arguments, the data
+    field = {"mlp": "model.hidden", "import": "model.kwargs"}.get(model.kind, "model")
+    return [Problem(field, f"the model's parameters and gradients need {_gib(needed)}, "
+                    f"more than the {_gib(available)} of the parameter device "
+                    f"{device.short_name} (the data asks for {data.outputs} outputs)",
+                    "make the model smaller (hidden, channels), or check the class "
+                    "labels: the classes are the largest label + 1")]
+
+
+def _check_source_memory(dataset) -> list[Problem]:
+    """A generated source fits in the host's memory (checked before generating it)."""
+    needed = source_bytes(dataset.source)
+    available = memory_bytes(resolve_device("CPU:0"))
+    if needed is None or available is None or needed <= available:
+        return []
+    source = dataset.source
+    if source.kind == "synthetic":  # name the biggest size: the likely typo
+        sizes = ("examples", "features", "classes" if source.task == "classification"
+                 else "targets")
+        field, hint = max(sizes, key=lambda name: getattr(source, name)), \
+            "lower dataset.source.examples or features"
+    else:
+        field = "start" if abs(source.start) > abs(source.stop) else "stop"
+        hint = "narrow dataset.source.start..stop, or raise step"
+    return [Problem(f"dataset.source.{field}", f"the {source.kind} data would need about "
+                    f"{_gib(needed)} of memory; this machine has {_gib(available)}", hint)]
+
+
+def _check_workers(dataset) -> list[Problem]:
+    # more loader processes than 4 per core never helps in-memory data, and a huge count
+    # would fork that many processes
+    limit = 4 * (os.cpu_count() or 1)
+    if dataset.workers <= limit:
+        return []
+    return [Problem("dataset.workers", f"{dataset.workers} worker processes for "
+                    f"{os.cpu_count()} CPU cores", f"use at most {limit}; 0 loads in the "
+                    "main process, fastest for small in-memory data")]
 
 
 def _check_data(dataset, seed: int) -> tuple[SourceData | None, Pipeline | None, list]:
+    too_big = _check_source_memory(dataset)
+    if too_big:
+        return None, None, too_big
     try:
         data = load_source(dataset.source)
     except ConfigError as exc:
         return None, None, exc.problems
     train_idx, held = split_holdout(len(data), dataset.holdout, seed)
-    problems = []
+    problems = _check_workers(dataset)
     if dataset.holdout and (len(held) == 0 or len(train_idx) == 0):
         problems.append(Problem("dataset.holdout", f"holds out {len(held)} of {len(data)} "
                                 f"examples, leaving {len(train_idx)} to train on",

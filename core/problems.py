@@ -10,7 +10,16 @@ import dataclasses
 import difflib
 from typing import Iterable
 
-__all__ = ["Problem", "ConfigError", "did_you_mean"]
+__all__ = ["Problem", "ConfigError", "did_you_mean", "clipped"]
+
+# How much of a user's text a message echoes: a 3000-character override or key must not
+# make a 3000-character error line.
+CLIP = {"where": 120, "path": 80, "message": 240, "hint": 160}
+
+
+def clipped(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``…`` when it was longer."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 @dataclasses.dataclass
@@ -43,10 +52,17 @@ class Problem:
             return f"{self.file}:{self.line}"
         return self.file or ""
 
+    def shown(self) -> dict[str, str]:
+        """``where``, ``path``, ``message`` and ``hint`` as a person reads them: clipped
+        to :data:`CLIP` (the JSON result keeps them whole)."""
+        return {name: clipped(getattr(self, name) or "", limit)
+                for name, limit in CLIP.items()}
+
     def __str__(self) -> str:
-        text = f"{self.where}: " if self.where else ""
-        text += f"{self.path}: {self.message}" if self.path else self.message
-        return text + (f" (hint: {self.hint})" if self.hint else "")
+        shown = self.shown()
+        text = f"{shown['where']}: " if shown["where"] else ""
+        text += f"{shown['path']}: {shown['message']}" if shown["path"] else shown["message"]
+        return text + (f" (hint: {shown['hint']})" if shown["hint"] else "")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -48,6 +48,7 @@ from .metrics import MetricSinks, tensorboard_available
 from .models import build_model, count_parameters, make_loss, resolve_loss
 from .optimizers import build_optimizer, build_schedule
 from .plots import plot_available, write_plot
+from .preflight import check_writable
 from .problems import ConfigError, Problem
 
 __all__ = ["train", "train_from_file", "RunError", "NonFiniteLoss", "Outputs"]
@@ -100,7 +101,8 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
       outputs: optional metric, plot and TensorBoard files.
       on_event: called with each event of :mod:`csrun.core.events`.
       stop: set it to stop after the current step, save a checkpoint and return with
-        status ``"interrupted"``. In the main thread, Ctrl-C sets it (twice: abort).
+        status ``"interrupted"``. In the main thread, Ctrl-C and SIGTERM set it (twice:
+        abort).
 
     Returns:
       The :class:`RunResult`.
@@ -115,19 +117,25 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
     outputs = outputs or Outputs()
     _check_options(config, resume, outputs)
     stop = stop or threading.Event()
-    with _sigint_sets(stop), _engine_warnings(on_event):
+    received: list[str] = []
+    with _signals_set(stop, received), _engine_warnings(on_event):
         session = _Session(config, outputs, on_event or (lambda event: None))
         try:
             if resume:
                 session.restore()
             session.fit(stop)
-            return session.finish("interrupted" if stop.is_set() else "completed")
+            result = session.finish("interrupted" if stop.is_set() else "completed")
+            result.signal = received[0] if received and stop.is_set() else None
+            return result
         finally:
             session.close()
 
 
 def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
-    problems = []
+    # output paths are checked now: a bad one found after hours of training loses them
+    problems = check_writable(outputs.metrics, "--metrics") + \
+        check_writable(outputs.plot, "--plot") + \
+        check_writable(outputs.tensorboard, "--tensorboard", directory=True)
     if resume and not config.checkpoint.dir:
         problems.append(Problem("checkpoint.dir", "--resume needs a checkpoint directory",
                                 "set checkpoint.dir in the config or as an override"))
@@ -142,22 +150,26 @@ def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_sets(stop: threading.Event):
-    """While training, the first Ctrl-C asks for a clean stop; the second aborts."""
+def _signals_set(stop: threading.Event, received: list):
+    """While training, the first Ctrl-C or SIGTERM (a scheduler's preemption) asks for a
+    clean stop, which saves a checkpoint; a second one aborts. ``received`` gets the
+    signals' names."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        received.append(signal.Signals(signum).name)
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextlib.contextmanager
@@ -304,6 +316,10 @@ class _Session:
         self.manager = (CheckpointManager(config.checkpoint.dir, config.checkpoint.keep,
                                           _identity(config, self.replicas))
                         if config.checkpoint.dir else None)
+        removed = self.manager.remove_incomplete() if self.manager else []
+        if removed:  # left by a crash mid-save; the complete checkpoints are untouched
+            emit(Notice(f"removed {len(removed)} incomplete checkpoint file(s) left by an "
+                        f"interrupted save: {', '.join(removed)}"))
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
         self.step = self.epoch = self.position = 0
         self.losses: list[float] = []
@@ -353,13 +369,23 @@ class _Session:
         payload, manifest = loaded
         path = str(self.manager.directory / manifest["file"])
         try:
-            self.model.load_state_dict(payload["model"])
-            self.optimizer.load_state_dict(payload["optimizer"])
-            if self.schedule is not None:
-                self.schedule.load_state_dict(payload["schedule"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            self._load(payload)
+        except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as exc:
+            # verified and from this config, yet not what this csrun writes: say so
             raise CheckpointError(f"checkpoint {path!r} does not fit this model and "
-                                  f"optimizer: {exc}") from None
+                                  f"optimizer: {type(exc).__name__}: {exc}") from None
+        self.resumed_from = self.saved_step = self.step
+        self.saved_path = path
+        self.emit(Notice(f"resumed from step {self.step} (epoch {self.epoch}, batch "
+                         f"{self.position}) of {path}"))
+
+    def _load(self, payload: dict) -> None:
+        """Restore the session from a verified payload (KeyError etc. if it is not one
+        this csrun wrote)."""
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        if self.schedule is not None:
+            self.schedule.load_state_dict(payload["schedule"])
         self.step, self.epoch, self.position = payload["step"], payload["epoch"], \
             payload["position"]
         self.losses = payload["losses"].tolist()
@@ -368,11 +394,6 @@ class _Session:
         last = payload.get("last_log")
         self.last_log = _step_log_from(last) if last else None
         _set_rng_state(payload["rng"])
-        self.resumed_from = self.saved_step = self.step
-        self.saved_path = path
-        self.emit(Notice(f"resumed from step {self.step} (epoch {self.epoch}, batch "
-                         f"{self.position}) of {path}"))
-
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self, stop: threading.Event) -> None:

@@ -3,6 +3,8 @@
 import json
 import signal
 import time
+
+import pytest
 from pathlib import Path
 
 
@@ -43,15 +45,18 @@ def _wait_for_lines(path, count, process, timeout=120):
     raise AssertionError(f"{path} never reached {count} lines")
 
 
-def test_ctrl_c_saves_and_resume_ends_where_an_uninterrupted_run_ends(csrun, spawn, tiny,
-                                                                      tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_saves_and_resume_ends_where_an_uninterrupted_run_ends(
+        sig, code, csrun, spawn, tiny, tmp_path):
     long = ["train.epochs=null", "train.steps=400", "checkpoint.dir=ck",
             "checkpoint.every_steps=1000"]
-    process = spawn("train", tiny, *long, "--metrics", "m.jsonl")
+    process = spawn("train", tiny, *long, "--metrics", "m.jsonl", "--json", "stopped.json")
     _wait_for_lines(tmp_path / "m.jsonl", 20, process)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sig)
     out, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err
+    assert process.returncode == code, err
+    stopped = json.loads((tmp_path / "stopped.json").read_text())
+    assert stopped["status"] == "interrupted" and stopped["signal"] == sig.name
     assert "interrupted" in err and "--resume" in err
     saved = sorted((tmp_path / "ck").glob("ckpt-*.pt"))
     assert len(saved) == 1  # saved at the interrupt, though every_steps is 1000

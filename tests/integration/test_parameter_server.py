@@ -23,6 +23,16 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def _steps_done(path: Path) -> int:
+    """The count in a task's progress file; 0 while there is none. Read once: the task
+    rewrites it (truncate, then write), so a second read may find it empty."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    return int(text) if text.strip().isdigit() else 0
+
+
 class Cluster:
     def __init__(self, tmp_path: Path, workers: int = 2, ps: int = 1):
         ports = _free_ports(workers + ps)
@@ -47,7 +57,7 @@ class Cluster:
         """Wait until task ``name`` has finished ``steps`` training steps."""
         path = self.tmp / f"{name}.json.progress"
         deadline = time.monotonic() + timeout
-        while not (path.exists() and path.read_text() and int(path.read_text()) >= steps):
+        while _steps_done(path) < steps:
             assert time.monotonic() < deadline, f"{name} made no progress"
             assert self.procs[name].poll() is None, self.procs[name].communicate()[1]
             time.sleep(0.05)

@@ -25,5 +25,5 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_precedence_sentence_and_exit_codes():
     assert "Precedence: **override > file > default**." in README
-    for code in ("| 0 |", "| 1 |", "| 2 |", "| 130 |"):
+    for code in ("| 0 |", "| 1 |", "| 2 |", "| 130 |", "| 143 |"):
         assert code in README
