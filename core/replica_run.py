@@ -364,6 +364,7 @@ class ExecutionPolicy:
         self._shared_cpu = mode == "auto" and len(self._cpu) > 1
         self._draws = False  # replicas were seen drawing random numbers
         self._work = None    # moving average of seconds per replica body
+        self._split = None   # (caller's threads, each replica's share)
         if mode == "ordered" or len(devices) == 1:
             self.state = "ordered"
         elif self._shared_cpu:
@@ -380,8 +381,12 @@ class ExecutionPolicy:
         if not self._cpu or not (self._shared_cpu or
                                  (self.concurrent and self.mode == "concurrent")):
             return None
-        per = max(1, torch.get_num_threads() // len(self._cpu))
-        return [per if i in self._cpu else None for i in range(self._num_replicas)]
+        total = torch.get_num_threads()
+        if self._split is None or self._split[0] != total:  # cached: asked on every run
+            per = max(1, total // len(self._cpu))
+            self._split = (total, [per if i in self._cpu else None
+                                   for i in range(self._num_replicas)])
+        return self._split[1]
 
     def before_run(self) -> bytes | None:
         """A snapshot of the CPU generator when this run could change the decision: the
