@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -25,11 +26,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# As the csrun CLI does: GNU OpenMP's idle threads spin for ~100 ms by default, taking
+# the cores that concurrent replicas need (docs/performance.md). Set before torch loads;
+# plain PyTorch runs under the same setting, so the comparison stays fair.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import csrun.core as cs
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import csrun.core as cs  # noqa: E402
 
 MODELS = {
     "mlp": dict(shape=(784,), classes=10, batch=256),
@@ -179,6 +185,7 @@ def gpu_section(rounds: int, steps: int) -> dict:
 def measure(args) -> dict:
     result: dict = {"python": platform.python_version(), "torch": torch.__version__,
                     "cpu_threads": torch.get_num_threads(), "rounds": args.rounds,
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                     "steps_per_round": args.steps, "models": {}}
     for name in args.models:
         data = batches(name, args.steps)
