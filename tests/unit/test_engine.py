@@ -400,3 +400,20 @@ def test_explicit_modes_are_kept():
         concurrent.run(lambda: None)
     assert ordered.extended.execution == "ordered"
     assert concurrent.extended.execution == "concurrent"
+
+
+def test_runs_leave_no_cyclic_garbage():
+    # a run that leaves reference cycles makes the collector walk the heap every few
+    # dozen steps of a long job
+    strategy = _strategy(2)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
+    strategy.reduce("SUM", strategy.run(lambda x: x, args=(value,)))
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(50):
+            strategy.reduce("SUM", strategy.run(lambda x: x * 2, args=(value,)))
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
