@@ -32,7 +32,7 @@ def _check_address(job: str, index: int, address: object) -> str:
     if not isinstance(address, str) or ":" not in address:
         raise ClusterError(f"cluster.{job}[{index}] must be 'host:port', got {address!r}")
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ClusterError(f"cluster.{job}[{index}] must be 'host:port' with a port in "
                            f"1..65535, got {address!r}")
     return address

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import pathlib
-from typing import Annotated, Any, Literal, Sequence, Union
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue,
                       ValidationError)
@@ -24,7 +24,8 @@ from .problems import ConfigError, Problem
 from .safe_yaml import MAX_BYTES, YamlDocument, load_yaml
 
 __all__ = [
-    "RunConfig", "StrategyConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
+    "RunConfig", "StrategyConfig", "CentralStorageConfig", "ParameterServerConfig",
+    "ClusterConfig", "TaskConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
     "OptimizerConfig", "ScheduleConfig", "ModelConfig", "SourceConfig", "StepConfig",
     "load_config", "load_config_text", "parse_override", "SECTIONS",
 ]
@@ -52,23 +53,103 @@ Int64 = Annotated[int, AfterValidator(_int64)]
 
 
 # -- strategy -----------------------------------------------------------------------------
-class StrategyConfig(_Section):
-    """Where replicas compute and where parameters live (a ``CentralStorageStrategy``)."""
+_COMPUTE_DEVICES = ("Devices of the replicas, one replica each, in TF or torch spelling "
+                    "(`CPU:0`, `/gpu:1`, `cuda:0`). Logical CPUs `CPU:0`, `CPU:1`, ... are "
+                    "distinct replicas sharing the host CPU.")
+_EXECUTION = ("How replicas run: `ordered` one after another in replica order, `concurrent` "
+              "in threads, `auto` concurrent only across physical devices.")
+_COPY = ("Give every replica its own parameter copy even on the parameter device (the path "
+         "GPU replicas take; lets CPU-only CI exercise it).")
 
+
+class CentralStorageConfig(_Section):
+    """One machine: replicas on its devices, parameters kept once on one device (a
+    ``CentralStorageStrategy``)."""
+
+    kind: Literal["central_storage"] = Field(
+        "central_storage", description="`central_storage` (the default): one machine.")
     compute_devices: list[str] | None = Field(
-        None, description="Devices of the replicas, one replica each, in TF or torch "
-        "spelling (`CPU:0`, `/gpu:1`, `cuda:0`). Logical CPUs `CPU:0`, `CPU:1`, ... are "
-        "distinct replicas sharing the host CPU. Default (TF's): every local GPU, else "
+        None, description=_COMPUTE_DEVICES + " Default (TF's): every local GPU, else "
         "`CPU:0`.")
     parameter_device: str | None = Field(
         None, description="The one device holding parameters and optimizer state. Default "
         "(TF's): the only compute device if there is one, else `CPU:0`.")
     execution: Literal["auto", "ordered", "concurrent"] = Field(
-        "auto", description="How replicas run: `ordered` one after another in replica "
-        "order, `concurrent` in threads, `auto` concurrent only across physical devices.")
-    copy_parameters: bool = Field(
-        False, description="Give every replica its own parameter copy even on the parameter "
-        "device (the path GPU replicas take; lets CPU-only CI exercise it).")
+        "auto", description=_EXECUTION)
+    copy_parameters: bool = Field(False, description=_COPY)
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) \
+            or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not 'host:port' with a port in 1..65535")
+    return value
+
+
+Address = Annotated[str, AfterValidator(_address)]
+
+
+class ClusterConfig(_Section):
+    """The tasks of a parameter-server cluster, as `host:port` addresses per job (TF's
+    cluster spec, TF_CONFIG's `cluster`). `ps:0`'s address hosts the job's rendezvous
+    store; the other addresses name the tasks."""
+
+    chief: list[Address] = Field(
+        default_factory=list, description="At most one chief: it trains, writes the "
+        "checkpoints and the result, and ends the job. Without one, `worker:0` does.")
+    worker: list[Address] = Field(default_factory=list, description="The workers: each "
+                                  "trains on its slice of every global batch.")
+    ps: list[Address] = Field(default_factory=list, description="The parameter servers "
+                              "(at least one): they hold the variables and apply updates.")
+
+
+class TaskConfig(_Section):
+    """Which task of the cluster this process is (TF_CONFIG's `task`)."""
+
+    type: Literal["chief", "worker", "ps"] = Field(description="The job of this task.")
+    index: Int64 = Field(0, ge=0, description="Its index in that job's address list.")
+
+
+class ParameterServerConfig(_Section):
+    """A cluster of processes: workers train, ps tasks hold the variables (a
+    ``ParameterServerStrategy``). Workers are synchronous across their local replicas and
+    asynchronous to each other. Start every task with `csrun train` and its own
+    `TF_CONFIG`, or all of them on one machine with `csrun launch`."""
+
+    kind: Literal["parameter_server"] = Field(description="`parameter_server`.")
+    cluster: ClusterConfig | None = Field(
+        None, description="The cluster; null: the `cluster` of the `TF_CONFIG` environment "
+        "variable. When both are given they must agree.")
+    task: TaskConfig | None = Field(
+        None, description="This process's task; null: the `task` of `TF_CONFIG`. Usually "
+        "set per process by `TF_CONFIG` (or an override), not in a shared file.")
+    num_gpus_per_worker: Int64 = Field(
+        0, ge=0, description="Local GPUs each worker replicates over (`GPU:0` ... ); 0: "
+        "one replica on `CPU:0`. Leave it 0 when `compute_devices` names the replicas.")
+    compute_devices: list[str] | None = Field(
+        None, description=_COMPUTE_DEVICES + " Each worker's local replicas, on its own "
+        "machine. Default: `num_gpus_per_worker` GPUs, else `CPU:0`.")
+    variable_placement: Literal["round_robin", "balanced"] = Field(
+        "round_robin", description="How variables go to ps tasks: `round_robin` in "
+        "creation order (TF's rule), or `balanced` by size (each to the ps holding the "
+        "fewest bytes so far).")
+    timeout_s: float = Field(
+        120.0, gt=0, description="Seconds a task waits for the parameter servers to come "
+        "up; after a first Ctrl-C or SIGTERM, how long a ps keeps serving so that the chief "
+        "can write its last checkpoint.")
+    execution: Literal["auto", "ordered", "concurrent"] = Field(
+        "auto", description=_EXECUTION + " (Within one worker.)")
+    copy_parameters: bool = Field(False, description=_COPY)
+
+    @property
+    def parameter_device(self) -> None:
+        """Variables live on the ps tasks: there is no local parameter device to name."""
+        return None
+
+
+StrategyConfig = Annotated[Union[CentralStorageConfig, ParameterServerConfig],
+                           Field(discriminator="kind")]
 
 
 # -- dataset: sources ----------------------------------------------------------------------
@@ -339,8 +420,9 @@ class CheckpointConfig(_Section):
 class RunConfig(_Section):
     """A whole run: the six sections of a csrun config file."""
 
-    strategy: StrategyConfig = Field(default_factory=StrategyConfig,
-                                     description="Devices (`CentralStorageStrategy`).")
+    strategy: StrategyConfig = Field(
+        default_factory=CentralStorageConfig, description="Where replicas compute and "
+        "where parameters live; `kind` picks the strategy (default `central_storage`).")
     dataset: DatasetConfig = Field(description="The input pipeline.")
     model: ModelConfig = Field(description="The model (`kind` picks) and its loss.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
@@ -355,12 +437,15 @@ SECTIONS = tuple(RunConfig.model_fields)
 
 
 # -- loading ------------------------------------------------------------------------------
-def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunConfig:
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (), *,
+                environ: Mapping[str, str] | None = None) -> RunConfig:
     """Read, override and validate a config file; check it against this machine.
 
     Args:
       path: the YAML file.
       overrides: ``key=value`` strings (dotted keys, YAML values); they win over the file.
+      environ: where ``TF_CONFIG`` is read (``strategy.kind: parameter_server``);
+        default ``os.environ``.
 
     Returns:
       The validated :class:`RunConfig`.
@@ -369,7 +454,7 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> RunC
       ConfigError: every problem found, each with its dotted path, ``file:line`` and hint.
     """
     path = pathlib.Path(path)
-    return load_config_text(_read_config(path), str(path), overrides)
+    return load_config_text(_read_config(path), str(path), overrides, environ=environ)
 
 
 def _read_config(path: pathlib.Path) -> str:
@@ -403,8 +488,8 @@ def _read_config(path: pathlib.Path) -> str:
                                    "a binary file?", str(path), line)]) from None
 
 
-def load_config_text(text: str, file: str | None = None,
-                     overrides: Sequence[str] = ()) -> RunConfig:
+def load_config_text(text: str, file: str | None = None, overrides: Sequence[str] = (),
+                     *, environ: Mapping[str, str] | None = None) -> RunConfig:
     """:func:`load_config` for YAML text (``file`` names it in messages)."""
     document = load_yaml(text, file)
     data = document.data if document.data is not None else {}
@@ -416,9 +501,11 @@ def load_config_text(text: str, file: str | None = None,
     problems = _apply_overrides(data, overrides, origins)
     sections, found = _validate(data)
     problems += found
+    from .cluster_config import cluster_problems
     from .preflight import preflight  # it imports the data and model modules
     reported = {p.path for p in problems}
-    problems += [p for p in preflight(sections) if not _explained(p.path, reported)]
+    problems += [p for p in preflight(sections) + cluster_problems(sections, environ)
+                 if not _explained(p.path, reported)]
     if problems:
         raise ConfigError(_locate(p, document, origins) for p in problems)
     return RunConfig.model_construct(**sections)
@@ -555,6 +642,8 @@ def _validate(data: dict) -> tuple[dict, list[Problem]]:
             continue
         if raw is None:
             raw = data[name] = {}  # an empty section (all keys commented out): defaults
+        if name == "strategy" and isinstance(raw, dict):
+            raw.setdefault("kind", "central_storage")  # the default strategy's tag
         try:
             sections[name] = _adapter(name).validate_python(raw)
         except ValidationError as exc:
@@ -626,7 +715,7 @@ def _describe(error: dict, loc: tuple) -> tuple[str, str | None]:
         return "missing (required)", field.description if field else None
     if kind == "extra_forbidden":
         fields = _fields_at(loc[:-1])
-        return "unknown key", did_you_mean(loc[-1], fields) or (
+        return "unknown key", _other_strategy(loc) or did_you_mean(loc[-1], fields) or (
             f"valid keys here: {', '.join(fields)}" if fields else None)
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         tag = str(ctx.get("discriminator", "kind")).strip("'")
@@ -650,6 +739,16 @@ def _describe(error: dict, loc: tuple) -> tuple[str, str | None]:
         return f"{error['msg']}{shown}", ("kwargs hold plain YAML data: numbers, text, "
                                           "booleans, null, lists and mappings")
     return f"{error['msg']}{shown}", None
+
+
+def _other_strategy(loc: tuple) -> str | None:
+    """``strategy.cluster`` under central storage: say which kind has the key."""
+    if loc[0] != "strategy" or len(loc) != 3:
+        return None
+    for model in (CentralStorageConfig, ParameterServerConfig):
+        if loc[-1] in model.model_fields and _tag_of(model) != loc[1]:
+            return f"`{loc[-1]}` is a setting of strategy kind: {_tag_of(model)}"
+    return None
 
 
 def _field_at(loc: tuple):

@@ -1,0 +1,194 @@
+"""The cluster of a config: ``strategy.cluster``/``strategy.task`` or ``TF_CONFIG``.
+
+A ``strategy.kind: parameter_server`` config names its cluster (the ``host:port`` of every
+chief, worker and ps task) and this process's task in the config, or leaves them to the
+``TF_CONFIG`` environment variable, as TF does::
+
+    TF_CONFIG='{"cluster": {"worker": ["h1:2222", "h2:2222"], "ps": ["h3:2222"]},
+                "task": {"type": "worker", "index": 1}}'
+
+When both give a cluster (or a task) they must agree. Every problem is reported with its
+dotted path; those that come from ``TF_CONFIG`` say so (``origin``), so a user fixes the
+variable, not the file.
+
+Example::
+
+    resolver = cluster_resolver(config.strategy)    # a SimpleClusterResolver
+    resolver.task_type, resolver.task_id            # ("worker", 1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from .cluster import ClusterError, ClusterSpec, SimpleClusterResolver
+from .devices import DeviceError, resolve_devices
+from .problems import ConfigError, Problem
+
+__all__ = ["cluster_problems", "cluster_resolver", "TF_CONFIG_ORIGIN", "TRAINING_JOBS"]
+
+TF_CONFIG_ORIGIN = "environment TF_CONFIG"
+TRAINING_JOBS = ("chief", "worker", "ps")
+_SHAPE = 'TF_CONFIG holds {"cluster": {"worker": [...], "ps": [...]}, "task": {"type": ' \
+         '"worker", "index": 0}}'
+
+
+def cluster_problems(sections: dict[str, Any], environ: Mapping[str, str] | None = None
+                     ) -> list[Problem]:
+    """Every problem of a parameter-server config's cluster and task (none for central
+    storage): no cluster at all, a malformed ``TF_CONFIG``, a task that does not exist,
+    settings that cannot work in a cluster."""
+    strategy = sections.get("strategy")
+    if strategy is None or strategy.kind != "parameter_server":
+        return []
+    problems = _resolve(strategy, os.environ if environ is None else environ)[1]
+    dataset = sections.get("dataset")
+    if dataset is not None and dataset.distribute != "global":
+        problems.append(Problem("dataset.distribute", "a parameter-server job takes "
+                                "`global` batches: every worker trains on its slice of "
+                                "each global batch", "set dataset.distribute: global"))
+    if strategy.compute_devices is not None and strategy.num_gpus_per_worker:
+        problems.append(Problem("strategy.num_gpus_per_worker", "is set together with "
+                                "compute_devices, which already names the replicas",
+                                "keep one of the two"))
+    elif strategy.num_gpus_per_worker:
+        problems += _check_gpus(strategy.num_gpus_per_worker)
+    return problems
+
+
+def _check_gpus(count: int) -> list[Problem]:
+    try:
+        resolve_devices([f"GPU:{i}" for i in range(count)])
+    except DeviceError as exc:
+        message, _, hint = str(exc).partition("; available")
+        return [Problem("strategy.num_gpus_per_worker", f"{count} GPU(s) per worker: "
+                        f"{message}", f"available{hint}" if hint else None)]
+    return []
+
+
+def cluster_resolver(strategy: Any, environ: Mapping[str, str] | None = None
+                     ) -> SimpleClusterResolver:
+    """The resolver of a valid parameter-server ``strategy`` section.
+
+    Raises:
+      ConfigError: the problems :func:`cluster_problems` reports.
+    """
+    resolver, problems = _resolve(strategy, os.environ if environ is None else environ)
+    if problems:
+        raise ConfigError(problems)
+    return resolver
+
+
+def _resolve(strategy: Any, environ: Mapping[str, str]
+             ) -> tuple[SimpleClusterResolver | None, list[Problem]]:
+    env_cluster, env_task, problems = _read_tf_config(environ.get("TF_CONFIG", ""))
+    if problems:
+        return None, problems
+    mine = _jobs(strategy.cluster.model_dump()) if strategy.cluster is not None else None
+    if mine is None and env_cluster is None:
+        return None, [Problem(
+            "strategy.cluster", "kind: parameter_server needs a cluster, and neither "
+            "strategy.cluster nor the TF_CONFIG environment variable gives one",
+            "start the whole job on this machine with `csrun launch CONFIG --workers 2 "
+            "--ps 1`, set TF_CONFIG for each task, or list the tasks' host:port "
+            "addresses in strategy.cluster (chief, worker, ps)")]
+    if mine is not None and env_cluster is not None and mine != env_cluster:
+        return None, [Problem(
+            "strategy.cluster", f"differs from TF_CONFIG's cluster ({_short(env_cluster)})",
+            "give the cluster in one place: remove strategy.cluster (csrun launch sets "
+            "TF_CONFIG itself), or unset TF_CONFIG")]
+    spec, origin = (mine, None) if mine is not None else (env_cluster, TF_CONFIG_ORIGIN)
+    problems = _check_jobs(spec, origin)
+    task, task_problems = _task(strategy, env_task)
+    problems += task_problems
+    if problems or task is None:
+        return None, problems
+    problems = _check_task(spec, *task, origin=None if strategy.task else TF_CONFIG_ORIGIN)
+    if problems:
+        return None, problems
+    return SimpleClusterResolver(spec, *task), []
+
+
+def _read_tf_config(text: str) -> tuple[dict | None, tuple | None, list[Problem]]:
+    """``TF_CONFIG``'s cluster (jobs -> addresses) and task ``(type, index)``; either is
+    None when absent."""
+    if not text.strip():
+        return None, None, []
+
+    def bad(message: str, path: str = "strategy.cluster") -> tuple:
+        return None, None, [Problem(path, message, _SHAPE, origin=TF_CONFIG_ORIGIN)]
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return bad(f"TF_CONFIG is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                   f"{exc.colno})")
+    if not isinstance(config, dict):
+        return bad(f"TF_CONFIG must be a JSON object, got {type(config).__name__}")
+    cluster, task = config.get("cluster"), config.get("task")
+    if cluster is not None:
+        try:
+            cluster = _jobs(ClusterSpec(cluster).as_dict())
+        except (ClusterError, ValueError) as exc:
+            return bad(f"TF_CONFIG's cluster: {exc}")
+    if task is None or task == {}:
+        return cluster, None, []
+    if not isinstance(task, dict) or not isinstance(task.get("type"), str) or \
+            isinstance(task.get("index", 0), bool) or not isinstance(task.get("index", 0), int):
+        return bad(f"TF_CONFIG's task must be {{\"type\": \"worker\", \"index\": 0}}, got "
+                   f"{json.dumps(task)[:80]}", "strategy.task")
+    return cluster, (task["type"], task.get("index", 0)), []
+
+
+def _jobs(cluster: dict) -> dict[str, list[str]]:
+    """The jobs that have tasks (an empty list is the same as no job)."""
+    return {job: list(addresses) for job, addresses in cluster.items() if addresses}
+
+
+def _short(cluster: dict) -> str:
+    text = json.dumps(cluster)
+    return text if len(text) <= 120 else text[:119] + "…"
+
+
+def _check_jobs(spec: dict, origin: str | None) -> list[Problem]:
+    problems = []
+    if not spec.get("ps"):
+        problems.append(Problem("strategy.cluster.ps", "the cluster has no ps task: a "
+                                "parameter-server job needs at least one",
+                                "add a host:port under ps", origin=origin))
+    if len(spec.get("chief", [])) > 1:
+        problems.append(Problem("strategy.cluster.chief", "a cluster has at most one chief",
+                                "keep one; the other tasks can be workers", origin=origin))
+    if not spec.get("worker") and not spec.get("chief"):
+        problems.append(Problem("strategy.cluster.worker", "the cluster has no worker (and "
+                                "no chief) to train", "add a host:port under worker",
+                                origin=origin))
+    return problems
+
+
+def _task(strategy: Any, env_task: tuple | None) -> tuple[tuple | None, list[Problem]]:
+    mine = (strategy.task.type, strategy.task.index) if strategy.task is not None else None
+    if mine is None and env_task is None:
+        return None, [Problem("strategy.task", "which task of the cluster is this process? "
+                              "neither strategy.task nor TF_CONFIG's task says",
+                              "set TF_CONFIG's task, or e.g. strategy.task={type: worker, "
+                              "index: 0}")]
+    if mine is not None and env_task is not None and mine != env_task:
+        return None, [Problem("strategy.task", f"{mine[0]}:{mine[1]} differs from "
+                              f"TF_CONFIG's task {env_task[0]}:{env_task[1]}",
+                              "give the task in one place")]
+    return mine or env_task, []
+
+
+def _check_task(spec: dict, job: str, index: int, origin: str | None) -> list[Problem]:
+    if job not in TRAINING_JOBS:
+        return [Problem("strategy.task.type", f"csrun runs no {job!r} task",
+                        f"tasks are {', '.join(TRAINING_JOBS)}", origin=origin)]
+    count = len(spec.get(job, []))
+    if not 0 <= index < count:
+        hint = f"use 0..{count - 1}" if count else f"the cluster lists no {job} task"
+        return [Problem("strategy.task.index", f"task {job}:{index} does not exist; the "
+                        f"cluster has {count} {job} task(s)", hint, origin=origin)]
+    return []

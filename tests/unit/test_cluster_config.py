@@ -1,0 +1,168 @@
+"""strategy.kind: parameter_server: its cluster and task from the config or TF_CONFIG, and
+every way they can be wrong (exit 2 with a dotted path, where it came from, and a hint)."""
+
+import json
+import textwrap
+
+import pytest
+
+from csrun.core.cluster_config import TF_CONFIG_ORIGIN, cluster_resolver
+from csrun.core.config import load_config_text
+from csrun.core.problems import ConfigError
+
+PS = textwrap.dedent("""\
+    strategy:
+      kind: parameter_server
+    dataset:
+      source: {kind: range, stop: 64}
+      steps:
+        - {op: batch, size: 8}
+    model:
+      kind: linear
+    train:
+      steps: 4
+    """)
+CLUSTER = {"worker": ["127.0.0.1:2223", "127.0.0.1:2224"], "ps": ["127.0.0.1:2222"]}
+
+
+def tf_config(cluster=CLUSTER, task=("worker", 1)) -> dict:
+    data = {"cluster": cluster}
+    if task is not None:
+        data["task"] = {"type": task[0], "index": task[1]}
+    return {"TF_CONFIG": json.dumps(data)}
+
+
+def load(text=PS, overrides=(), environ=None):
+    return load_config_text(text, "c.yaml", overrides, environ=environ or {})
+
+
+def problems(text=PS, overrides=(), environ=None):
+    with pytest.raises(ConfigError) as info:
+        load(text, overrides, environ)
+    return info.value.problems
+
+
+def test_central_storage_is_the_default_kind_and_ignores_tf_config():
+    text = PS.replace("  kind: parameter_server\n", "  compute_devices: [CPU:0]\n")
+    config = load(text, environ={"TF_CONFIG": "{not json"})
+    assert config.strategy.kind == "central_storage"
+    assert config.strategy.compute_devices == ["CPU:0"]
+
+
+def test_cluster_and_task_from_tf_config():
+    config = load(environ=tf_config())
+    assert config.strategy.kind == "parameter_server" and config.strategy.cluster is None
+    resolver = cluster_resolver(config.strategy, tf_config())
+    assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+    assert resolver.cluster_spec().as_dict() == CLUSTER
+    assert config.strategy.parameter_device is None  # variables live on the ps tasks
+    assert config.strategy.variable_placement == "round_robin"
+
+
+def test_cluster_from_the_config_and_task_from_an_override():
+    overrides = [f"strategy.cluster={json.dumps(CLUSTER)}", "strategy.task={type: ps}"]
+    config = load(overrides=overrides)
+    resolver = cluster_resolver(config.strategy, {})
+    assert (resolver.task_type, resolver.task_id) == ("ps", 0)
+    # the task may come from TF_CONFIG while the cluster comes from the config
+    environ = tf_config(CLUSTER, ("worker", 0))
+    config = load(overrides=overrides[:1], environ=environ)
+    assert cluster_resolver(config.strategy, environ).task_id == 0
+
+
+def test_no_cluster_anywhere_says_how_to_give_one():
+    (problem,) = problems()
+    assert problem.path == "strategy.cluster" and problem.where == "c.yaml:1"
+    assert "TF_CONFIG" in problem.message and "csrun launch" in problem.hint
+
+
+@pytest.mark.parametrize("value, says", [
+    ("{not json", "TF_CONFIG is not valid JSON (Expecting property name"),
+    ("[1, 2]", "TF_CONFIG must be a JSON object, got list"),
+    ('{"cluster": {"worker": ["nohost"], "ps": ["h:1"]}}', "must be 'host:port'"),
+    ('{"cluster": {"workers": ["h:1"], "ps": ["h:2"]}}', "unknown job 'workers'"),
+    ('{"cluster": {"worker": ["h:1"], "ps": ["h:2"]}, "task": {"type": "worker", '
+     '"index": "1"}}', "TF_CONFIG's task must be"),
+])
+def test_malformed_tf_config_names_tf_config_not_the_file(value, says):
+    (problem,) = problems(environ={"TF_CONFIG": value})
+    assert problem.origin == TF_CONFIG_ORIGIN and problem.where == "environment TF_CONFIG"
+    assert says in problem.message and problem.hint.startswith("TF_CONFIG holds")
+
+
+def test_task_out_of_range_from_tf_config():
+    (problem,) = problems(environ=tf_config(task=("worker", 2)))
+    assert problem.path == "strategy.task.index" and problem.origin == TF_CONFIG_ORIGIN
+    assert problem.message == "task worker:2 does not exist; the cluster has 2 worker task(s)"
+    assert problem.hint == "use 0..1"
+
+
+def test_task_out_of_range_from_the_file_points_at_its_line():
+    text = PS.replace("  kind: parameter_server\n", "  kind: parameter_server\n"
+                      f"  cluster: {json.dumps(CLUSTER)}\n"
+                      "  task: {type: chief, index: 0}\n")
+    (problem,) = problems(text)
+    assert problem.path == "strategy.task.index" and problem.where == "c.yaml:4"
+    assert "chief:0 does not exist" in problem.message and "no chief" in problem.hint
+
+
+def test_tasks_csrun_does_not_run_and_missing_task():
+    (problem,) = problems(environ=tf_config({**CLUSTER, "evaluator": ["h:9"]},
+                                            ("evaluator", 0)))
+    assert problem.path == "strategy.task.type" and "'evaluator'" in problem.message
+    (problem,) = problems(environ=tf_config(task=None))
+    assert problem.path == "strategy.task" and "TF_CONFIG's task" in problem.hint
+
+
+def test_config_and_tf_config_must_agree():
+    other = {"worker": ["127.0.0.1:9"], "ps": ["127.0.0.1:8"]}
+    (problem,) = problems(overrides=[f"strategy.cluster={json.dumps(other)}"],
+                          environ=tf_config())
+    assert problem.path == "strategy.cluster" and "differs from TF_CONFIG" in problem.message
+    (problem,) = problems(overrides=["strategy.task={type: worker, index: 0}"],
+                          environ=tf_config())
+    assert problem.message == "worker:0 differs from TF_CONFIG's task worker:1"
+    same = [f"strategy.cluster={json.dumps(CLUSTER)}", "strategy.task={type: worker, index: 1}"]
+    assert load(overrides=same, environ=tf_config()).strategy.task.index == 1
+
+
+def test_cluster_shape_problems_all_at_once():
+    cluster = {"chief": ["h:1", "h:2"], "worker": [], "ps": []}
+    found = problems(overrides=[f"strategy.cluster={json.dumps(cluster)}",
+                                "strategy.task={type: chief}"])
+    assert {p.path for p in found} == {"strategy.cluster.ps", "strategy.cluster.chief"}
+    (problem,) = problems(overrides=['strategy.cluster={worker: [], ps: ["h:1"]}',
+                                     "strategy.task={type: ps}"])
+    assert problem.path == "strategy.cluster.worker" and "no worker" in problem.message
+
+
+def test_a_bad_address_in_the_file_has_its_path_and_line():
+    text = PS.replace("  kind: parameter_server\n", "  kind: parameter_server\n"
+                      "  cluster:\n    worker: [h:1, 'h:99999']\n    ps: [h:2]\n")
+    (problem,) = problems(text, environ=tf_config({"worker": ["h:1", "h:99999"],
+                                                   "ps": ["h:2"]}))
+    assert problem.path == "strategy.cluster.worker.1" and problem.where == "c.yaml:4"
+    assert "'h:99999' is not 'host:port' with a port in 1..65535" == problem.message
+
+
+def test_settings_of_the_other_kind_say_which_kind_has_them():
+    text = PS.replace("  kind: parameter_server\n", "  cluster: {}\n")
+    (problem,) = problems(text)
+    assert problem.path == "strategy.cluster" and problem.message == "unknown key"
+    assert problem.hint == "`cluster` is a setting of strategy kind: parameter_server"
+    found = problems(overrides=["strategy.parameter_device=CPU:0"], environ=tf_config())
+    assert found[0].path == "strategy.parameter_device"
+    assert found[0].hint == "`parameter_device` is a setting of strategy kind: central_storage"
+    (problem,) = problems(overrides=["strategy.kind=parameter_servers"])
+    assert problem.path == "strategy.kind" and "did you mean 'parameter_server'" in problem.hint
+
+
+def test_settings_that_cannot_work_in_a_cluster():
+    found = problems(overrides=["dataset.distribute=per_replica",
+                                "strategy.compute_devices=[CPU:0]",
+                                "strategy.num_gpus_per_worker=1"], environ=tf_config())
+    assert {p.path for p in found} == {"dataset.distribute", "strategy.num_gpus_per_worker"}
+    (problem,) = problems(overrides=["strategy.num_gpus_per_worker=64"], environ=tf_config())
+    assert problem.path == "strategy.num_gpus_per_worker" and "GPU:" in problem.message
+    (problem,) = problems(overrides=["strategy.variable_placement=even"], environ=tf_config())
+    assert problem.path == "strategy.variable_placement"
