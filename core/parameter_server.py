@@ -169,22 +169,39 @@ class ParameterServer:
         self._threads: list[threading.Thread] = []
 
     # -- serving ---------------------------------------------------------------------------
-    def serve(self, poll: float = 0.02, close_timeout: float = 60.0) -> None:
-        """Accept workers and answer them until the chief marks the job done."""
+    def serve(self, poll: float = 0.02, close_timeout: float = 60.0,
+              stop: threading.Event | None = None, grace: float = 60.0) -> bool:
+        """Accept workers and answer them until the chief marks the job done.
+
+        Once ``stop`` is set (a first Ctrl-C or SIGTERM), the ps serves on for at most
+        ``grace`` seconds, so that the workers can stop cleanly and the chief can write
+        its last checkpoint. Returns True when the chief ended the job, False when the
+        grace ran out first.
+        """
         self._store.set(f"ps/{self.task_id}/ready", "1")
-        seen = 0
+        seen, stopped_at = 0, None
         while not self._store.check(["job/done"]):
+            if stop is not None and stop.is_set():
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at > grace:
+                    return False
             joined = self._store.add(f"ps/{self.task_id}/joins", 0)
             while seen < joined:
                 seen += 1
                 name = self._store.get(f"ps/{self.task_id}/join/{seen}").decode()
                 self._accept(name)
             time.sleep(poll)
+        self._close(poll, close_timeout)
+        return True
+
+    def _close(self, poll: float, close_timeout: float) -> None:
         for thread in self._threads:  # workers said goodbye or died; let the threads end
             thread.join(timeout=5)
         with self._lock:
             self._store.set(f"ps/{self.task_id}/log", json.dumps(self.log))
         self._store.set(f"ps/{self.task_id}/stopped", "1")
+        if self._store.check(["job/aborted"]):  # workers read why; no chief will close
+            close_timeout = min(close_timeout, 10.0)
         if self.task_id == 0:  # the store lives here: stay until the chief is done with it
             deadline = time.monotonic() + close_timeout
             while not self._store.check(["job/closed"]) and time.monotonic() < deadline:
@@ -346,6 +363,9 @@ class ParameterServerClient:
             _, reply = self._channels[k].recv()
             return reply
         except RuntimeError as exc:
+            aborted = self.aborted()
+            if aborted:
+                raise ParameterServerError(f"the chief ended the job: {aborted}") from None
             address = self._resolver.cluster_spec().task_address("ps", k)
             raise ParameterServerError(
                 f"parameter server ps:{k} ({address}) stopped answering {self.task}: "
@@ -402,6 +422,9 @@ class ParameterServerClient:
     def count_step(self) -> int:
         return self._store.add("global_step", 1)
 
+    def set_global_step(self, step: int) -> None:
+        self._store.set("global_step", str(int(step)))
+
     @property
     def global_step(self) -> int:
         return self._store.add("global_step", 0)
@@ -417,6 +440,37 @@ class ParameterServerClient:
                         [f"finished/{key}"]):
                     lost[key] = self._store.get(f"lost/{key}").decode()
         return lost
+
+    def mark_initialized(self) -> None:
+        """Chief: the variables hold their starting values (fresh, or restored)."""
+        self._store.set("job/initialized", "1")
+
+    def wait_initialized(self, timeout: float) -> None:
+        """Other workers: wait until the chief has initialized (or restored) the
+        variables, as TF's non-chief workers wait for the chief's session."""
+        deadline = time.monotonic() + timeout
+        while not self._store.check(["job/initialized"]):
+            if time.monotonic() > deadline:
+                raise ParameterServerError(f"the chief did not initialize the variables "
+                                           f"within {timeout:.0f} s; is it running?")
+            time.sleep(0.05)
+
+    def abort(self, reason: str) -> None:
+        """Chief: end the job after a failure; the ps tasks stop, workers learn why."""
+        try:
+            self._store.set("job/aborted", reason[:500])
+            self._store.set("job/done", "1")
+        except RuntimeError:  # ps:0, and the store with it, is gone already
+            pass
+
+    def aborted(self) -> str | None:
+        """Why the chief ended the job, if it did; None otherwise (or unknown)."""
+        try:
+            if self._store.check(["job/aborted"]):
+                return self._store.get("job/aborted").decode()
+        except RuntimeError:
+            pass
+        return None
 
     def finish(self) -> None:
         """Say goodbye to every ps (this worker is done)."""

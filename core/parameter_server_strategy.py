@@ -17,6 +17,7 @@ balanced by size with ``variable_placement="balanced"``.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -79,15 +80,7 @@ class RemoteParameterStore(ParameterStore):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(self.owns(p) for p in params):
             return
-        self.ensure_registered()
-        if self._optimizer is None:
-            groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
-                      for p in group["params"] if p in self._ids}
-            self.client.register_optimizer(optimizer, groups)
-            self._optimizer = optimizer
-        elif optimizer is not self._optimizer:
-            raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
-                               "its state lives on the parameter servers")
+        self.ensure_optimizer(optimizer)
         shards: list[list] = [[] for _ in range(self.client.num_ps)]
         for p in params:
             if p.grad is not None and p in self._ids:
@@ -97,6 +90,18 @@ class RemoteParameterStore(ParameterStore):
         for p in params:  # updated remotely: the local step must do nothing
             p.grad = None
         self.client.count_step()
+
+    def ensure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Build ``optimizer``'s twin on every ps (once; its state lives there)."""
+        self.ensure_registered()
+        if self._optimizer is None:
+            groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
+                      for p in group["params"] if p in self._ids}
+            self.client.register_optimizer(optimizer, groups)
+            self._optimizer = optimizer
+        elif optimizer is not self._optimizer:
+            raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
+                               "its state lives on the parameter servers")
 
     def pull(self) -> None:
         self.ensure_registered()
@@ -110,6 +115,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
                  variable_placement: str, timeout: float):
         self._resolver = resolver
         self._ps_server: ParameterServer | None = None
+        self._lost: list[str] | None = None
         self._task_type = resolver.task_type if resolver else None
         self._task_id = resolver.task_id if resolver else None
         store = None
@@ -171,12 +177,20 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         return self._store
 
     # -- cluster operations ----------------------------------------------------------------
-    def join(self) -> None:
-        """On a ps task: serve variables until the chief ends the job."""
+    def join(self, stop: threading.Event | None = None, grace: float = 60.0) -> bool:
+        """On a ps task: serve variables until the chief ends the job.
+
+        Args:
+          stop: once set (e.g. by a signal handler), serve at most ``grace`` more seconds:
+            time for the workers to stop and the chief to write its last checkpoint.
+
+        Returns:
+          True when the chief ended the job, False when the grace ran out first.
+        """
         if self._ps_server is None:
             raise RuntimeError(f"join() serves variables on ps tasks; this is "
                                f"{self._task_type}:{self._task_id}")
-        self._ps_server.serve()
+        return self._ps_server.serve(stop=stop, grace=grace)
 
     def variable_device(self, tensor: torch.Tensor) -> str:
         """Where a variable lives: ``/job:ps/replica:0/task:k/device:CPU:0``."""
@@ -196,29 +210,63 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         self._remote().ensure_registered()
         return self._remote().client.state()
 
-    def load_ps_state(self, states: list[dict]) -> None:
-        """Restore the parameter servers from :meth:`ps_state` output."""
+    def load_ps_state(self, states: list[dict],
+                      optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Restore the parameter servers from :meth:`ps_state` output.
+
+        Pass the ``optimizer`` (made in ``scope()``) to restore its state too: the ps
+        tasks build theirs from it first, so its state has somewhere to go.
+        """
         self._remote().ensure_registered()
+        if optimizer is not None:
+            self._remote().ensure_optimizer(optimizer)
         self._remote().client.load(states)
+        # every push reaches every ps that holds variables: the busiest one counted them all
+        self._remote().client.set_global_step(max(int(s.get("version", 0)) for s in states))
         self.pull()
+
+    def mark_initialized(self) -> None:
+        """Chief: the variables hold their starting values; other workers may go on."""
+        self._remote().client.mark_initialized()
+
+    def wait_for_chief(self, timeout: float = 600.0) -> None:
+        """Non-chief workers: wait until the chief has initialized or restored the
+        variables (:meth:`mark_initialized`), as TF's workers wait for the chief."""
+        self._remote().client.wait_initialized(timeout)
+
+    def abort(self, reason: str) -> None:
+        """Chief: end the job after a failure; the ps tasks stop and workers that push
+        afterwards fail with ``reason``."""
+        self._remote().client.abort(reason)
 
     def lost_workers(self) -> dict[str, str]:
         return self._remote().client.lost_workers()
 
+    def wait_for_workers(self, timeout: float = 600.0,
+                         report: Callable[[str, str], None] | None = None) -> list[str]:
+        """Chief: wait until every other worker finished or was lost, then pull the
+        final values. Returns the lost workers; ``report(task, why)`` hears of each."""
+        if not self.is_chief:
+            raise RuntimeError("only the chief waits for the other workers")
+        if self._lost is None:
+            me = f"{self._task_type}:{self._task_id}"
+            others = [t for t in self._worker_tasks if t != me]
+            self._lost = self._remote().client.wait_for_workers(others, timeout, report)
+            self.pull()
+        return self._lost
+
     def finish(self, timeout: float = 600.0,
                report: Callable[[str, str], None] | None = None) -> list[str]:
-        """End this worker's part; the chief also waits for the others and ends the job.
+        """End this worker's part; the chief also waits for the others (unless
+        :meth:`wait_for_workers` did) and ends the job.
 
         Returns the workers that were lost (chief only).
         """
         client = self._remote().client
+        lost = self.wait_for_workers(timeout, report) if self.is_chief else []
         client.finish()
-        if not self.is_chief:
-            return []
-        me = f"{self._task_type}:{self._task_id}"
-        others = [t for t in self._worker_tasks if t != me]
-        lost = client.wait_for_workers(others, timeout, report)
-        self.ps_logs = client.end_job()
+        if self.is_chief:
+            self.ps_logs = client.end_job()
         return lost
 
     def colocate_vars_with(self, colocate_with_variable: Any):
