@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from .cluster import ClusterResolver
 
 __all__ = ["ParameterServer", "ParameterServerClient", "ParameterServerError", "placement"]
 
-_REGISTER, _OPTIMIZER, _PUSH_PULL, _PULL, _STATE, _LOAD, _BYE = range(1, 8)
+_REGISTER, _OPTIMIZER, _PUSH_PULL, _PULL, _STATE, _LOAD, _BYE, _ABORTED = range(1, 9)
 _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
@@ -122,6 +123,14 @@ class _Channel:
         return op, payload
 
 
+def _transport_error(exc: BaseException) -> str:
+    """gloo's message without its source location and generic advice:
+    ``Read error [127.0.0.1]:28317: Connection reset by peer``."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0][:200]
+
+
 def _flat_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     groups: dict = {}
     for tensor in tensors:
@@ -166,6 +175,7 @@ class ParameterServer:
         self._lock = threading.Lock()
         self.version = 0
         self.log: list[tuple[str, int]] = []  # (worker, version) of every applied push
+        self._aborted: str | None = None  # why the chief ended the job after a failure
         self._threads: list[threading.Thread] = []
 
     # -- serving ---------------------------------------------------------------------------
@@ -195,13 +205,17 @@ class ParameterServer:
         return True
 
     def _close(self, poll: float, close_timeout: float) -> None:
+        if self._store.check(["job/aborted"]):  # the chief failed: tell the workers why
+            self._aborted = self._store.get("job/aborted").decode()
+            deadline = time.monotonic() + 10.0
+            for thread in self._threads:  # each ends when its worker hears and exits
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            return
         for thread in self._threads:  # workers said goodbye or died; let the threads end
             thread.join(timeout=5)
         with self._lock:
             self._store.set(f"ps/{self.task_id}/log", json.dumps(self.log))
         self._store.set(f"ps/{self.task_id}/stopped", "1")
-        if self._store.check(["job/aborted"]):  # workers read why; no chief will close
-            close_timeout = min(close_timeout, 10.0)
         if self.task_id == 0:  # the store lives here: stay until the chief is done with it
             deadline = time.monotonic() + close_timeout
             while not self._store.check(["job/closed"]) and time.monotonic() < deadline:
@@ -222,6 +236,9 @@ class ParameterServer:
                 if op == _BYE:
                     self._store.set(f"finished/{worker}", "1")
                     return
+                if self._aborted is not None:
+                    channel.send(_ABORTED, [_encode(self._aborted)])
+                    continue
                 channel.send(op, self._answer(op, payload, worker))
         except RuntimeError as exc:  # the peer died or its connection broke
             self._store.set(f"lost/{worker}", f"ps:{self.task_id} lost {name}: {exc}"[:500])
@@ -360,16 +377,15 @@ class ParameterServerClient:
     def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
             self._channels[k].send(op, payload)
-            _, reply = self._channels[k].recv()
-            return reply
+            answer, reply = self._channels[k].recv()
         except RuntimeError as exc:
-            aborted = self.aborted()
-            if aborted:
-                raise ParameterServerError(f"the chief ended the job: {aborted}") from None
             address = self._resolver.cluster_spec().task_address("ps", k)
             raise ParameterServerError(
                 f"parameter server ps:{k} ({address}) stopped answering {self.task}: "
-                f"{str(exc).splitlines()[0][:200]}; the job cannot go on without it") from None
+                f"{_transport_error(exc)}; the job cannot go on without it") from None
+        if answer == _ABORTED:
+            raise ParameterServerError(f"the chief ended the job: {_decode(reply[0])}")
+        return reply
 
     # -- variables -------------------------------------------------------------------------
     def register(self, shards: list[list[tuple[int, torch.Tensor, int]]]) -> None:
@@ -456,21 +472,13 @@ class ParameterServerClient:
             time.sleep(0.05)
 
     def abort(self, reason: str) -> None:
-        """Chief: end the job after a failure; the ps tasks stop, workers learn why."""
+        """Chief: end the job after a failure; each ps answers the workers' next
+        message with ``reason`` (they fail with it) and stops."""
         try:
             self._store.set("job/aborted", reason[:500])
             self._store.set("job/done", "1")
         except RuntimeError:  # ps:0, and the store with it, is gone already
             pass
-
-    def aborted(self) -> str | None:
-        """Why the chief ended the job, if it did; None otherwise (or unknown)."""
-        try:
-            if self._store.check(["job/aborted"]):
-                return self._store.get("job/aborted").decode()
-        except RuntimeError:
-            pass
-        return None
 
     def finish(self) -> None:
         """Say goodbye to every ps (this worker is done)."""
