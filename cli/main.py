@@ -14,16 +14,18 @@ from typing import Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
-from . import inspect_devices, train, validate  # noqa: E402
+from . import inspect_devices, launch, train, validate  # noqa: E402
 
 app = typer.Typer(
     name="csrun", no_args_is_help=True, add_completion=False,
     pretty_exceptions_enable=False, rich_markup_mode=None,
-    help="TensorFlow's CentralStorageStrategy for PyTorch: train a YAML config on several "
-         "replicas with parameters kept on one device.")
+    help="TensorFlow's CentralStorageStrategy and ParameterServerStrategy for PyTorch: "
+         "train a YAML config on several replicas with parameters kept on one device, or "
+         "on a cluster of workers and parameter servers.")
 app.command("train")(train.train)
 app.command("validate")(validate.validate)
 app.command("inspect-devices")(inspect_devices.inspect_devices)
+app.command("launch")(launch.launch)
 
 
 def _version(value: bool) -> None:
@@ -36,7 +38,7 @@ def _version(value: bool) -> None:
 def _root(version: Annotated[Optional[bool], typer.Option(
         "--version", callback=_version, is_eager=True, help="Print the version and exit.")]
           = None) -> None:
-    """csrun: TensorFlow's CentralStorageStrategy for PyTorch."""
+    """csrun: TensorFlow's CentralStorageStrategy and ParameterServerStrategy for PyTorch."""
 
 
 def main() -> None:

@@ -20,8 +20,11 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from csrun.core.cluster_runner import ClusterJoined, ServeResult
 from csrun.core.events import (CheckpointSaved, Evaluated, Notice, RunResult, RunStarted,
                                StepDone, StepLog)
+from csrun.core.launch import (LaunchPlan, LaunchResult, TaskExited, TaskOutput, TaskStarted,
+                               describe_exit)
 from csrun.core.problems import ConfigError
 
 __all__ = ["View", "sparkline", "write_json"]
@@ -73,6 +76,26 @@ def clean_floats(value: Any) -> Any:
     return value
 
 
+def _cluster_rows(cluster: dict | None) -> list[tuple[str, str]]:
+    """Summary rows of a parameter-server worker: its task, the variables' homes, the
+    global step and, from the chief, the updates per worker and the lost workers."""
+    if not cluster:
+        return []
+    homes: dict[str, int] = {}
+    for device in cluster["variables"].values():
+        ps = device.split("/task:")[1].split("/")[0] if "/task:" in device else device
+        homes[f"ps:{ps}"] = homes.get(f"ps:{ps}", 0) + 1
+    rows = [("cluster", f"{cluster['task']} ({cluster['role']}); global step "
+                        f"{cluster['global_step']}; variables: " +
+             ", ".join(f"{n} on {ps}" for ps, n in sorted(homes.items())))]
+    if "updates" in cluster:
+        rows.append(("updates", ", ".join(f"{w}: {n}" for w, n in
+                                          sorted(cluster["updates"].items())) or "-"))
+        lost = cluster.get("lost_workers") or []
+        rows.append(("lost workers", ", ".join(lost) if lost else "none"))
+    return rows
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f} ms"
 
@@ -104,6 +127,7 @@ class View:
         self.err = _console(stderr=True)
         self._progress: Progress | None = None
         self._task = None
+        self._cluster: ClusterJoined | None = None
 
     # -- errors ----------------------------------------------------------------------------
     def problems(self, error: ConfigError) -> None:
@@ -136,9 +160,11 @@ class View:
         else:
             self.err.print("  (set CSRUN_TRACEBACK=1 to see the traceback)", style="dim")
 
-    def interrupted(self, saved: str | None) -> None:
+    def interrupted(self, saved: str | None, chief: bool = True) -> None:
+        """A clean stop; ``chief=False``: a worker of a cluster, whose chief saves."""
         self.close()
-        where = f"; checkpoint {escape(saved)} (continue with --resume)" if saved else \
+        where = "; the chief saves the checkpoint" if not chief else \
+            f"; checkpoint {escape(saved)} (continue with --resume)" if saved else \
             "; no checkpoint saved (none configured, or no step finished)"
         self.err.print(f"[yellow]interrupted[/]{where}", soft_wrap=True)
 
@@ -151,7 +177,8 @@ class View:
         """Render one event of :mod:`csrun.core.events` (the runner's ``on_event``)."""
         handler = {RunStarted: self._started, StepDone: self._step_done,
                    StepLog: self._step_log, CheckpointSaved: self._checkpoint,
-                   Notice: self._notice, Evaluated: self._evaluated}.get(type(event))
+                   Notice: self._notice, Evaluated: self._evaluated,
+                   ClusterJoined: self._joined}.get(type(event))
         if handler is not None:
             handler(event)
 
@@ -159,19 +186,37 @@ class View:
         console = self._progress.console if self._progress is not None else self.out
         console.print(*things, **kwargs)
 
+    def _joined(self, e: ClusterJoined) -> None:
+        self._cluster = e
+        if e.role == "ps":
+            self.out.print(f"[bold]ParameterServerStrategy[/]: {e.task} serves its share of "
+                           f"the variables to {', '.join(e.workers)} until the chief ends the "
+                           "job", soft_wrap=True)
+
     def _started(self, e: RunStarted) -> None:
-        per_replica = e.global_batch_size / len(e.compute_devices)
+        replicas = len(e.compute_devices)
         epochs = f" ({e.steps_per_epoch} per epoch)" if e.steps_per_epoch else ""
-        self.out.print(f"[bold]CentralStorageStrategy[/]: {len(e.compute_devices)} "
-                       f"replica(s) on {', '.join(e.compute_devices)}; parameters on "
-                       f"{e.parameter_device}", soft_wrap=True)
+        c = self._cluster
+        if c is None:
+            per_replica = e.global_batch_size / replicas
+            self.out.print(f"[bold]CentralStorageStrategy[/]: {replicas} replica(s) on "
+                           f"{', '.join(e.compute_devices)}; parameters on "
+                           f"{e.parameter_device}", soft_wrap=True)
+        else:
+            per_replica = e.global_batch_size / c.replicas_in_sync
+            self.out.print(f"[bold]ParameterServerStrategy[/]: {c.task} ({c.role}) of "
+                           f"{', '.join(c.workers)}; {replicas} replica(s) here on "
+                           f"{', '.join(e.compute_devices)}, {c.replicas_in_sync} in sync; "
+                           f"variables on {e.parameter_device} ({c.variable_placement})",
+                           soft_wrap=True)
         self.out.print(f"data: {escape(e.dataset)}: {e.train_examples} to train, "
                        f"{e.holdout_examples} held out; global batch {e.global_batch_size} "
                        f"(~{per_replica:g} per replica, {e.distribute})", soft_wrap=True)
         self.out.print(f"model: {escape(e.model)}, {e.parameters:,} parameters; steps: "
                        f"{e.total_steps}{epochs}; seed {e.seed}", soft_wrap=True)
-        self.out.print("each step: distribute -> run (replicas, grads summed centrally) -> "
-                       "update -> reduce", style="dim")
+        self.out.print("each step: distribute -> run (replicas, grads summed " +
+                       ("locally) -> update (push to the ps, pull values)" if c else
+                        "centrally) -> update") + " -> reduce", style="dim")
         if self.out.is_terminal and self._progress is None:
             self._progress = Progress(
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task."
@@ -218,9 +263,15 @@ class View:
             self._progress.stop()
             self._progress = None
 
-    def summary(self, result: RunResult) -> None:
+    def summary(self, result: RunResult | ServeResult) -> None:
         """The end of a run: loss curve, metrics, throughput, replica balance, digest."""
         self.close()
+        if isinstance(result, ServeResult):
+            ended = "the chief ended the job" if result.status == "completed" else \
+                "stopped by a signal before the chief ended the job"
+            self.out.print(f"csrun train: {result.task} served {result.wall_s:.1f} s; {ended}",
+                           soft_wrap=True)
+            return
         m, t = result.metrics, result.throughput
         table = Table(title=f"csrun train: {result.status}", title_justify="left",
                       show_header=False, box=None, padding=(0, 2, 0, 0))
@@ -246,6 +297,8 @@ class View:
                                               for k, v in result.phases_s.items()))
         table.add_row("replicas", self._balance(result))
         table.add_row("params_sha256", result.params_sha256)
+        for name, text in _cluster_rows(getattr(result, "cluster", None)):
+            table.add_row(name, text)
         if result.checkpoint.get("last"):
             table.add_row("checkpoint", escape(result.checkpoint["last"]))
         self.out.print(table)
@@ -258,14 +311,62 @@ class View:
         balance = f"; slowest/fastest {ratio:.2f}x" if ratio else ""
         return "; ".join(parts) + balance
 
+    # -- launch ----------------------------------------------------------------------------
+    def launch_started(self, plan: LaunchPlan) -> None:
+        counts = ", ".join(f"{len(plan.cluster[job])} {job}" for job in ("ps", "chief",
+                                                                        "worker")
+                           if plan.cluster.get(job))
+        self.out.print(f"[bold]csrun launch[/]: {counts} on loopback, each a `csrun train` "
+                       f"with its own TF_CONFIG; {plan.chief} is the chief", soft_wrap=True)
+        self.out.print(f"  logs: {escape(str(plan.logs))}", soft_wrap=True)
+        self._width = max(len(t) for t in plan.tasks)
+
+    def on_launch_event(self, event: Any) -> None:
+        """Render one event of :mod:`csrun.core.launch`: a task's start, line or exit."""
+        width = getattr(self, "_width", 8)
+        if isinstance(event, TaskStarted):
+            role = " (chief)" if event.chief else ""
+            self.out.print(f"  started {event.task}{role} at {event.address}, pid {event.pid}",
+                           soft_wrap=True)
+        elif isinstance(event, TaskOutput):
+            console = self.err if event.stream == "stderr" else self.out
+            console.print(f"[dim]\\[{event.task}][/]{' ' * (width - len(event.task))} "
+                          f"{escape(event.line)}", soft_wrap=True)
+        elif isinstance(event, TaskExited):
+            style = "dim" if event.exit_code == 0 else "yellow"
+            self.out.print(f"  {event.task} ended: {describe_exit(event.exit_code)} after "
+                           f"{event.seconds:.1f} s", style=style, soft_wrap=True)
+
+    def launch_summary(self, result: LaunchResult) -> None:
+        """How the job ended: each task's exit, lost workers, and why it failed."""
+        codes = ", ".join(f"{t['task']} {describe_exit(t['exit_code'])}"
+                          for t in result.tasks)
+        color = {"completed": "green", "failed": "red"}.get(result.status, "yellow")
+        self.out.print(f"[bold {color}]csrun launch: {result.status}[/] in "
+                       f"{result.wall_s:.1f} s ({codes})", soft_wrap=True)
+        if result.lost_workers:
+            self.out.print(f"  lost workers: {', '.join(result.lost_workers)}; the job went "
+                           "on without them (the chief reports them)", style="yellow",
+                           soft_wrap=True)
+        if result.error:
+            self.err.print(f"[bold red]error:[/] {escape(result.error)}", soft_wrap=True)
+            for task, lines in result.tails.items():
+                self.err.print(f"  last stderr lines of {task}:", style="dim")
+                for line in lines[-5:]:
+                    self.err.print(f"    {escape(line)}", soft_wrap=True)
+        self.out.print(f"  logs: {escape(result.logs)}", style="dim", soft_wrap=True)
+
     # -- validate, inspect-devices ---------------------------------------------------------
     def valid(self, path: str, config: Any) -> None:
         s, d, o, t = config.strategy, config.dataset, config.optimizer, config.train
         length = f"{t.steps} steps" if t.steps else f"{t.epochs} epochs"
         batch = next(step.size for step in d.steps if step.op == "batch")
         self.out.print(f"[green]ok:[/] {escape(path)} is valid", soft_wrap=True)
-        self.out.print(f"  strategy: {', '.join(s.compute_devices or ['(TF default)'])}; "
-                       f"parameters on {s.parameter_device or '(TF default)'}\n"
+        where = f"parameters on {s.parameter_device or '(TF default)'}" \
+            if s.kind == "central_storage" else "parameter servers (cluster: " + \
+            ("strategy.cluster" if s.cluster else "TF_CONFIG") + ")"
+        self.out.print(f"  strategy: {s.kind}; {', '.join(s.compute_devices or ['(default)'])};"
+                       f" {where}\n"
                        f"  dataset: {d.source.kind}, global batch {batch}, {d.distribute}\n"
                        f"  model: {config.model.kind}; optimizer: {o.name} lr={o.lr:g}\n"
                        f"  train: {length}, seed {t.seed}", soft_wrap=True)

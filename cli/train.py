@@ -1,4 +1,5 @@
-"""``csrun train CONFIG [key=value ...]``: train a config on a CentralStorageStrategy."""
+"""``csrun train CONFIG [key=value ...]``: train a config (central storage, or one task of
+a parameter-server job)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def train(
         metavar="DIR", help="Write TensorBoard event files to DIR (needs tensorboard).")
     ] = None,
 ) -> None:
-    """Train CONFIG: distribute -> run -> reduce on the configured replicas.
+    """Train CONFIG: distribute -> run -> reduce on the configured replicas (with
+    strategy.kind: parameter_server, this process's task of the cluster in TF_CONFIG).
 
     Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage, 130 interrupted by Ctrl-C,
     143 by SIGTERM (both save a checkpoint first).
@@ -50,5 +52,7 @@ def train(
                                                 "overrides": overrides or [],
                                                 "exit_code": code}))
     if code in (INTERRUPTED, TERMINATED):
-        view.interrupted(result.checkpoint.get("last"))
+        role = getattr(result, "cluster", {}).get("role")  # in a cluster, the chief saves
+        view.interrupted(getattr(result, "checkpoint", {}).get("last"),
+                         chief=role in (None, "chief"))
         raise typer.Exit(code)

@@ -51,7 +51,8 @@ from .plots import plot_available, write_plot
 from .preflight import check_writable
 from .problems import ConfigError, Problem
 
-__all__ = ["train", "train_from_file", "RunError", "NonFiniteLoss", "Outputs"]
+__all__ = ["train", "train_from_file", "RunError", "NonFiniteLoss", "Outputs", "Session",
+           "run_session", "stop_on_signals"]
 
 PHASES = ("distribute", "run", "update", "reduce")
 
@@ -118,17 +119,26 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
     _check_options(config, resume, outputs)
     stop = stop or threading.Event()
     received: list[str] = []
-    with _signals_set(stop, received), _engine_warnings(on_event):
-        session = _Session(config, outputs, on_event or (lambda event: None))
-        try:
-            if resume:
-                session.restore()
-            session.fit(stop)
-            result = session.finish("interrupted" if stop.is_set() else "completed")
-            result.signal = received[0] if received and stop.is_set() else None
-            return result
-        finally:
-            session.close()
+    emit = on_event or (lambda event: None)
+    with stop_on_signals(stop, received), _engine_warnings(on_event):
+        if config.strategy.kind == "parameter_server":  # one task of a cluster
+            from .cluster_runner import run_task
+            result = run_task(config, resume, outputs, emit, stop)
+        else:
+            result = run_session(Session(config, outputs, emit), resume, stop)
+        result.signal = received[0] if received and result.status == "interrupted" else None
+        return result
+
+
+def run_session(session: "Session", resume: bool, stop: threading.Event) -> RunResult:
+    """Restore (with ``resume``), train until done or ``stop``, and assemble the result."""
+    try:
+        if resume:
+            session.restore()
+        session.fit(stop)
+        return session.finish("interrupted" if stop.is_set() else "completed")
+    finally:
+        session.close()
 
 
 def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
@@ -150,7 +160,7 @@ def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
 
 
 @contextlib.contextmanager
-def _signals_set(stop: threading.Event, received: list):
+def stop_on_signals(stop: threading.Event, received: list):
     """While training, the first Ctrl-C or SIGTERM (a scheduler's preemption) asks for a
     clean stop, which saves a checkpoint; a second one aborts. ``received`` gets the
     signals' names."""
@@ -289,17 +299,22 @@ class _Tally:
         vars(self).update(state)
 
 
-class _Session:
-    """One call of :func:`train`: the strategy, model, data and the loop's state."""
+class Session:
+    """One call of :func:`train`: the strategy, model, data and the loop's state.
 
-    def __init__(self, config: RunConfig, outputs: Outputs, emit: Callable[[Any], None]):
+    ``strategy`` defaults to the config's CentralStorageStrategy; a cluster task passes
+    its ParameterServerStrategy (:mod:`csrun.core.cluster_runner` subclasses this).
+    """
+
+    def __init__(self, config: RunConfig, outputs: Outputs, emit: Callable[[Any], None],
+                 strategy=None):
         self.config, self.outputs, self.emit = config, outputs, emit
         seed = config.train.seed
         seed_everything(seed)  # before the model: initial weights follow the seed
         self.data = load_source(config.dataset.source)
         train_indices, self.holdout = split_holdout(len(self.data), config.dataset.holdout, seed)
         self.pipeline = Pipeline(config.dataset, self.data, train_indices, seed)
-        self.strategy = CentralStorageStrategy(
+        self.strategy = strategy or CentralStorageStrategy(
             config.strategy.compute_devices, config.strategy.parameter_device,
             options=StrategyOptions(copy_parameters=config.strategy.copy_parameters,
                                     execution=config.strategy.execution))
@@ -313,13 +328,7 @@ class _Session:
             self.schedule = build_schedule(config.optimizer.schedule, self.optimizer)
         self.steps_per_epoch = self.pipeline.steps_per_epoch(self.replicas)
         self.total_steps = config.train.steps or config.train.epochs * self.steps_per_epoch
-        self.manager = (CheckpointManager(config.checkpoint.dir, config.checkpoint.keep,
-                                          _identity(config, self.replicas))
-                        if config.checkpoint.dir else None)
-        removed = self.manager.remove_incomplete() if self.manager else []
-        if removed:  # left by a crash mid-save; the complete checkpoints are untouched
-            emit(Notice(f"removed {len(removed)} incomplete checkpoint file(s) left by an "
-                        f"interrupted save: {', '.join(removed)}"))
+        self.manager = self._checkpoints()
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
         self.step = self.epoch = self.position = 0
         self.losses: list[float] = []
@@ -334,6 +343,19 @@ class _Session:
 
     def close(self) -> None:
         self.sinks.close()
+
+    def _checkpoints(self, clean: bool = True) -> CheckpointManager | None:
+        """The checkpoint manager (None without ``checkpoint.dir``); with ``clean``, rid
+        of what a crash mid-save left (the complete checkpoints are untouched)."""
+        if not self.config.checkpoint.dir:
+            return None
+        manager = CheckpointManager(self.config.checkpoint.dir, self.config.checkpoint.keep,
+                                    _identity(self.config, self.replicas))
+        removed = manager.remove_incomplete() if clean else []
+        if removed:
+            self.emit(Notice(f"removed {len(removed)} incomplete checkpoint file(s) left by "
+                             f"an interrupted save: {', '.join(removed)}"))
+        return manager
 
     # -- checkpoints -----------------------------------------------------------------------
     def _payload(self) -> dict:
@@ -414,7 +436,12 @@ class _Session:
         self.session_seconds += time.perf_counter() - begin
         if stop.is_set():
             self.emit(Notice(f"interrupted after step {self.step}"))
+        self.settle()
         self.save()
+
+    def settle(self) -> None:
+        """After the last step, before the last checkpoint (a cluster's chief waits for
+        the other workers here)."""
 
     def _epoch(self, stop: threading.Event) -> bool:
         """Run steps of the current pass; True when the pass ran out of batches."""
@@ -473,7 +500,7 @@ class _Session:
     def _train_step(self, batch: Any, distribute_s: float) -> None:
         x, y = batch
         strategy = self.strategy
-        global_examples = sum(int(t.shape[0]) for t in strategy.experimental_local_results(x))
+        global_examples = self.global_examples(x)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         out = strategy.run(self._replica_step, args=(x, y, global_examples))
@@ -490,6 +517,11 @@ class _Session:
         t3 = time.perf_counter()
         self._record(per_replica, loss, {"distribute": distribute_s, "run": t1 - t0,
                                          "update": t2 - t1, "reduce": t3 - t2})
+
+    def global_examples(self, x: Any) -> int:
+        """The examples of this step's global batch (every replica's slice of ``x``); a
+        step function divides its summed loss by it."""
+        return sum(int(t.shape[0]) for t in self.strategy.experimental_local_results(x))
 
     def _check_finite(self, per_replica: Sequence[dict]) -> None:
         for replica, stats in enumerate(per_replica):

@@ -12,7 +12,7 @@ def test_version_and_help(cli):
     assert cli("--version").stdout.startswith("csrun ")
     result = cli("--help")
     assert result.exit_code == 0
-    for command in ("train", "validate", "inspect-devices"):
+    for command in ("train", "validate", "inspect-devices", "launch"):
         assert command in result.stdout
 
 
@@ -118,6 +118,8 @@ SURFACE = {
               "--tensorboard"],
     "validate": ["config", "overrides", "--json"],
     "inspect-devices": ["--json"],
+    "launch": ["config", "overrides", "--workers", "--ps", "--chief", "--resume", "--json",
+               "--logs"],
 }
 
 

@@ -1,0 +1,272 @@
+"""One task of a parameter-server job, as ``csrun train`` runs it.
+
+Every task runs the same config; its cluster and task come from ``strategy.cluster`` /
+``strategy.task`` or ``TF_CONFIG`` (:mod:`csrun.core.cluster_config`), and its role from
+the ``ParameterServerStrategy`` built from them:
+
+* a **ps** task serves its share of the variables until the chief ends the job
+  (``strategy.extended.join()``), and exits 0;
+* a **worker** trains as a central-storage run does, on its slice of every global batch
+  (``experimental_distribute_dataset`` keeps this worker's replicas' part). Its loss is
+  divided by the *cluster-wide* global batch, so the workers' gradients add up to the
+  gradient of the global-batch mean; ``optimizer.step()`` pushes them to the ps tasks;
+* the **chief** (the ``chief`` task, else ``worker:0``) also writes the checkpoints (with
+  every ps task's variables and optimizer state), waits for the other workers at the end,
+  evaluates the holdout on the final values, ends the job, and reports lost workers.
+
+Non-chief workers wait until the chief has initialized (or restored) the variables, as
+TF's workers wait for the chief's session. A ps that dies stops the workers with a
+:class:`~csrun.core.runner.RunError` (exit 1) that names the last checkpoint, intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .checkpoint import CheckpointManager
+from .cluster_config import cluster_resolver
+from .events import Evaluated, Notice, RunResult, RunStarted
+from .parameter_server import ParameterServerError
+from .parameter_server_strategy import ParameterServerStrategy
+from .runner import Outputs, RunError, Session, run_session
+from .strategy import StrategyOptions
+
+__all__ = ["run_task", "ClusterSession", "ClusterJoined", "ClusterRunResult", "ServeResult"]
+
+
+@dataclasses.dataclass
+class ClusterJoined:
+    """This task connected to its cluster (emitted before anything else)."""
+
+    task: str                  # "worker:1"
+    role: str                  # "chief", "worker" or "ps"
+    workers: list[str]         # the tasks that train: ["worker:0", "worker:1"]
+    ps: list[str]              # ["ps:0"]
+    replicas_in_sync: int      # workers x local replicas
+    variable_placement: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ClusterRunResult(RunResult):
+    """A worker's :class:`RunResult` plus its cluster: ``cluster["lost_workers"]``
+    (chief), where each variable lives, the global step."""
+
+    cluster: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ServeResult:
+    """What a ps task reports: it served until the chief ended the job (``completed``),
+    or a signal stopped it first (``interrupted``)."""
+
+    status: str
+    task: str
+    wall_s: float
+    cluster: dict[str, Any]
+    signal: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
+             stop: threading.Event) -> ClusterRunResult | ServeResult:
+    """Connect to the cluster and play this task's part (the runner's ``train`` calls
+    it for ``strategy.kind: parameter_server``)."""
+    strategy = _connect(config)
+    joined = _joined(strategy, config)
+    emit(joined)
+    if strategy.extended.is_ps:
+        return _serve(strategy, config, joined, stop)
+    session = ClusterSession(config, outputs, emit, strategy)
+    try:
+        return run_session(session, resume, stop)
+    except BaseException as exc:
+        session.abort(f"{joined.task} failed: {type(exc).__name__}: {exc}")
+        if isinstance(exc, ParameterServerError):
+            raise RunError(f"{exc}; {session.checkpoint_note()}") from None
+        raise
+
+
+def _connect(config) -> ParameterServerStrategy:
+    s = config.strategy
+    try:
+        return ParameterServerStrategy(
+            cluster_resolver(s), s.num_gpus_per_worker, compute_devices=s.compute_devices,
+            variable_placement=s.variable_placement, timeout=s.timeout_s,
+            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution))
+    except ParameterServerError as exc:
+        raise RunError(str(exc)) from None
+
+
+def _joined(strategy: ParameterServerStrategy, config) -> ClusterJoined:
+    ext = strategy.extended
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec()
+    role = "ps" if ext.is_ps else "chief" if ext.is_chief else "worker"
+    workers = [f"{job}:{i}" for job in ("chief", "worker") for i in range(spec.num_tasks(job))]
+    return ClusterJoined(f"{resolver.task_type}:{resolver.task_id}", role, workers,
+                         [f"ps:{k}" for k in range(spec.num_tasks("ps"))],
+                         strategy.num_replicas_in_sync, config.strategy.variable_placement)
+
+
+def _serve(strategy, config, joined: ClusterJoined, stop: threading.Event) -> ServeResult:
+    begin = time.perf_counter()
+    ended = strategy.extended.join(stop=stop, grace=config.strategy.timeout_s)
+    return ServeResult("completed" if ended else "interrupted", joined.task,
+                       time.perf_counter() - begin, joined.to_dict())
+
+
+class ClusterSession(Session):
+    """A worker's training session (see the module docstring for what differs)."""
+
+    def __init__(self, config, outputs: Outputs, emit: Callable[[Any], None],
+                 strategy: ParameterServerStrategy):
+        self.ext = strategy.extended
+        self.is_chief = self.ext.is_chief
+        self.lost: list[str] = []
+        self._reported: set[str] = set()
+        self._sizes: Any = iter(())
+        self._ps_state: list | None = None
+        self._ended = False
+        super().__init__(config, outputs, emit, strategy)
+
+    # -- checkpoints: the chief's ---------------------------------------------------------
+    def _checkpoints(self) -> CheckpointManager | None:
+        # other workers only read (for --resume): never clean up the chief's directory
+        return super()._checkpoints(clean=self.is_chief)
+
+    def save(self) -> None:
+        if self.is_chief:
+            super().save()
+
+    def _payload(self) -> dict:
+        return {**super()._payload(), "ps": self.ext.ps_state()}
+
+    def _load(self, payload: dict) -> None:
+        if "ps" not in payload:
+            raise ValueError("it holds no parameter-server state (a central-storage run "
+                             "wrote it); use another checkpoint.dir")
+        super()._load(payload)
+        self._ps_state = payload["ps"]
+
+    def restore(self) -> None:
+        super().restore()
+        if self.is_chief and self._ps_state is not None:
+            self.ext.load_ps_state(self._ps_state, self.optimizer)  # values + optimizer
+        self._ps_state = None
+
+    def checkpoint_note(self) -> str:
+        """What a failure leaves behind: the last checkpoint, intact, or none."""
+        if self.saved_path:
+            return f"the last checkpoint (step {self.saved_step}, {self.saved_path}) is intact"
+        return "no checkpoint was written" if self.is_chief else \
+            "checkpoints are the chief's"
+
+    # -- the loop -------------------------------------------------------------------------
+    def fit(self, stop: threading.Event) -> None:
+        if self.is_chief:
+            self.ext.mark_initialized()
+        else:
+            self.ext.wait_for_chief(max(self.config.strategy.timeout_s, 600.0))
+        super().fit(stop)
+
+    def _distribute(self):
+        # the global batches of this pass, from the index plan: each step's loss is
+        # divided by its whole batch, though this worker sees only its slice
+        self._sizes = (len(b) for b in itertools.islice(self.pipeline.plan(self.epoch),
+                                                         self.position, None))
+        return super()._distribute()
+
+    def global_examples(self, x: Any) -> int:
+        return next(self._sizes)
+
+    def _log(self) -> None:
+        super()._log()
+        if self.is_chief:
+            for task, why in self.ext.lost_workers().items():
+                self._report(task, why)
+
+    def _report(self, task: str, why: str) -> None:
+        if task not in self._reported:
+            self._reported.add(task)
+            self.emit(Notice(f"lost {task}; the job goes on without it ({why})"))
+
+    def settle(self) -> None:
+        """The chief waits for the other workers and pulls the final values, so that its
+        last checkpoint, evaluation and digest are of the job's end."""
+        if self.is_chief:
+            self.lost = self.ext.wait_for_workers(report=self._report)
+
+    # -- the end --------------------------------------------------------------------------
+    def evaluate(self) -> Evaluated | None:
+        """The chief evaluates the whole holdout on its copy of the final values."""
+        if not self.is_chief or len(self.holdout) == 0:
+            return None
+        totals = {"loss": 0.0, "examples": 0, "correct": 0}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for x, y in self.pipeline.eval_loader(self.holdout, self.pipeline.batch_size):
+                    output = self.model(x)
+                    totals["loss"] += float(self.loss_fn(output, y))
+                    totals["examples"] += int(x.shape[0])
+                    if self.classify:
+                        totals["correct"] += int((output.argmax(1) == y).sum())
+        finally:
+            self.model.train()
+        examples = totals["examples"]
+        return Evaluated(examples, totals["loss"] / examples,
+                         totals["correct"] / examples if self.classify else None)
+
+    def _started(self) -> RunStarted:
+        started = super()._started()
+        started.parameter_device = ", ".join(f"ps:{k}" for k in range(
+            len(self.ext.parameter_devices)))
+        return started
+
+    def finish(self, status: str) -> ClusterRunResult:
+        result = super().finish(status)
+        cluster = self._cluster(status)
+        self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
+        self._ended = True
+        if self.is_chief:
+            cluster["lost_workers"] = self.lost
+            cluster["updates"] = _updates(getattr(self.ext, "ps_logs", []))
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        return ClusterRunResult(**fields, cluster=cluster)
+
+    def _cluster(self, status: str) -> dict[str, Any]:
+        resolver = self.strategy.cluster_resolver
+        return {"task": f"{resolver.task_type}:{resolver.task_id}",
+                "role": "chief" if self.is_chief else "worker",
+                "cluster": resolver.cluster_spec().as_dict(),
+                "replicas_in_sync": self.replicas,
+                "variable_placement": self.config.strategy.variable_placement,
+                "variables": {name: self.ext.variable_device(p)
+                              for name, p in self.model.named_parameters()},
+                "global_step": self.ext.global_step}
+
+    def abort(self, reason: str) -> None:
+        """After a failure: the chief ends the job (the ps tasks stop)."""
+        if self.is_chief and not self._ended:
+            self._ended = True
+            self.ext.abort(reason)
+
+
+def _updates(logs: list) -> dict[str, int]:
+    """Updates applied per worker, from the ps tasks' logs (a push reaches every ps
+    that holds variables, so the longest log has them all)."""
+    counts: dict[str, int] = {}
+    for worker, _ in max(logs, key=len, default=[]):
+        counts[worker] = counts.get(worker, 0) + 1
+    return counts
