@@ -15,6 +15,18 @@ from csrun.core.runner import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 NAMES = [c.stem for c in CONFIGS]
+# One task's view of a loopback cluster, for validating parameter-server configs.
+TF_CONFIG = json.dumps({"cluster": {"worker": ["127.0.0.1:2223", "127.0.0.1:2224"],
+                                    "ps": ["127.0.0.1:2222"]},
+                        "task": {"type": "worker", "index": 0}})
+
+
+def is_parameter_server(path: Path) -> bool:
+    strategy = yaml.safe_load(path.read_text()).get("strategy") or {}
+    return strategy.get("kind") == "parameter_server"
+
+
+PS_CONFIGS = [c for c in CONFIGS if is_parameter_server(c)]
 
 
 def gpus_needed(path: Path) -> int:
@@ -27,7 +39,7 @@ def gpus_needed(path: Path) -> int:
 
 def test_there_are_examples_of_each_kind():
     assert {"quickstart", "single_device", "per_replica", "mixed_cpu_gpu",
-            "multi_gpu"} <= set(NAMES)
+            "multi_gpu", "ps_local"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=NAMES)
@@ -44,6 +56,13 @@ def names_gpus(path: Path) -> bool:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=NAMES)
 def test_shipped_config_validates(path):
+    if is_parameter_server(path):  # a cluster task: valid with a TF_CONFIG, not without
+        load_config(path, environ={"TF_CONFIG": TF_CONFIG})
+        with pytest.raises(ConfigError) as info:
+            load_config(path, environ={})
+        (problem,) = info.value.problems
+        assert problem.path == "strategy.cluster" and "csrun launch" in problem.hint
+        return
     if not names_gpus(path) or gpus_needed(path) <= torch.cuda.device_count():
         load_config(path)  # TF's default placement is valid anywhere (CPU:0 without GPUs)
         return
@@ -54,14 +73,42 @@ def test_shipped_config_validates(path):
     load_config(path, ["strategy.compute_devices=[CPU:0,CPU:1]"])
 
 
-@pytest.mark.parametrize("path", [c for c in CONFIGS
-                                  if gpus_needed(c) == 0 and c.stem != "quickstart"],
+@pytest.mark.parametrize("path", [c for c in CONFIGS if gpus_needed(c) == 0 and
+                                  c.stem != "quickstart" and c not in PS_CONFIGS],
                          ids=lambda c: c.stem)
 def test_cpu_config_trains_end_to_end(path, csrun, tmp_path):
     done = csrun("train", path, "--json", "r.json")
     assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["status"] == "completed" and result["metrics"]["eval_accuracy"] > 0.9
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", PS_CONFIGS, ids=lambda c: c.stem)
+def test_parameter_server_config_trains_via_launch(path, csrun, tmp_path):
+    """1 ps + 2 workers as the header says: the loss falls, every task exits 0, the
+    variables live on the ps, both workers' updates reach it, the holdout is learnt."""
+    header = path.read_text().split("\n\n")[0]
+    assert f"csrun launch configs/{path.name} --workers 2 --ps 1" in header
+    begin = time.monotonic()
+    done = csrun("launch", path, "--workers", "2", "--ps", "1", "--json", "r.json",
+                 "--logs", "logs", timeout=200)
+    seconds = time.monotonic() - begin
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    launched = json.loads((tmp_path / "r.json").read_text())
+    assert launched["status"] == "completed" and launched["chief"] == "worker:0"
+    assert {t["task"]: t["exit_code"] for t in launched["tasks"]} == \
+        {"ps:0": 0, "worker:0": 0, "worker:1": 0}
+    result = launched["result"]
+    losses = result["losses"]
+    assert sum(losses[-10:]) < 0.25 * sum(losses[:10])
+    assert result["metrics"]["eval_accuracy"] > 0.9, result["metrics"]
+    cluster = result["cluster"]
+    assert set(cluster["variables"].values()) == {"/job:ps/replica:0/task:0/device:CPU:0"}
+    assert cluster["updates"] == {"worker:0": result["steps"], "worker:1": result["steps"]}
+    assert cluster["global_step"] == 2 * result["steps"] and cluster["lost_workers"] == []
+    assert "[worker:1]" in done.stdout and "csrun launch: completed" in done.stdout
+    assert seconds < 60, f"{path.name} took {seconds:.0f} s"
 
 
 def test_quickstart_under_a_minute_with_a_meaningful_accuracy(csrun, tmp_path):
