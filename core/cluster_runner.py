@@ -37,7 +37,8 @@ from .parameter_server_strategy import ParameterServerStrategy
 from .runner import Outputs, RunError, Session, run_session
 from .strategy import StrategyOptions
 
-__all__ = ["run_task", "ClusterSession", "ClusterJoined", "ClusterRunResult", "ServeResult"]
+__all__ = ["run_task", "connect", "ClusterSession", "ClusterJoined", "ClusterRunResult",
+           "ServeResult"]
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None]
              stop: threading.Event) -> ClusterRunResult | ServeResult:
     """Connect to the cluster and play this task's part (the runner's ``train`` calls
     it for ``strategy.kind: parameter_server``)."""
-    strategy = _connect(config)
+    strategy = connect(config)
     joined = _joined(strategy, config)
     emit(joined)
     if strategy.extended.is_ps:
@@ -97,7 +98,13 @@ def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None]
         raise
 
 
-def _connect(config) -> ParameterServerStrategy:
+def connect(config) -> ParameterServerStrategy:
+    """The ParameterServerStrategy of a parameter-server config's task, connected to its
+    cluster (a ps task hosts or joins the store; a worker waits for the ps tasks).
+
+    Raises:
+      RunError: the parameter servers cannot be reached (or, on ps:0, its address hosted).
+    """
     s = config.strategy
     try:
         return ParameterServerStrategy(

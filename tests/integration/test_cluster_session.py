@@ -1,0 +1,78 @@
+"""The runner's worker sessions against a real ps, in one process (threads, loopback):
+each worker trains on its slice of the global batch with its loss divided by the whole
+batch, so the updates of the two workers add up to one central-storage step."""
+
+import json
+import socket
+import threading
+
+import pytest
+import torch
+
+from csrun.core.cluster_runner import ClusterSession, connect, run_task
+from csrun.core.config import load_config_text
+from csrun.core.runner import Outputs, Session
+
+TEXT = """\
+strategy: {kind: parameter_server, compute_devices: [CPU:0]}
+dataset:
+  source: {kind: synthetic, examples: 63, features: 4, classes: 3}
+  steps:
+    - {op: batch, size: 10}
+    - {op: skip, count: 6}          # the last batch: 3 examples, split 2 + 1
+model: {kind: mlp, hidden: [8]}
+optimizer: {name: SGD, lr: 0.5}
+train: {steps: 1}
+"""
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_slices_add_up_to_one_central_storage_step():
+    ports = free_ports(3)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:2]], "ps": [f"127.0.0.1:{ports[2]}"]}
+
+    def config(job, index):
+        return load_config_text(TEXT, "c.yaml", [f"strategy.cluster={json.dumps(cluster)}",
+                                                 f"strategy.task={{type: {job}, index: {index}}}"])
+
+    stop = threading.Event()
+    served = []
+    ps = threading.Thread(target=lambda: served.append(run_task(
+        config("ps", 0), False, Outputs(), lambda e: None, stop)), daemon=True)
+    ps.start()
+    workers = [ClusterSession(config("worker", i), Outputs(), lambda e: None,
+                              connect(config("worker", i))) for i in range(2)]
+    for worker in workers:
+        worker.ext.pull()  # both start from the initial values
+    for worker in workers:  # one step each, in turn: no update is stale
+        with worker.strategy.scope():
+            worker._train_step(next(iter(worker._distribute())), 0.0)
+
+    reference = Session(load_config_text(TEXT.replace(
+        "kind: parameter_server, compute_devices: [CPU:0]",
+        "compute_devices: [CPU:0, CPU:1], parameter_device: CPU:0"), "c.yaml"),
+        Outputs(), lambda e: None)
+    with reference.strategy.scope():
+        reference._train_step(next(iter(reference._distribute())), 0.0)
+
+    workers[0].ext.pull()
+    for mine, theirs in zip(workers[0].model.parameters(), reference.model.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+    # each worker's loss is the mean over its own slice: 2 and 1 of the 3 examples
+    losses = [w.losses[0] for w in workers]
+    assert (2 * losses[0] + losses[1]) / 3 == pytest.approx(reference.losses[0], rel=1e-6)
+
+    workers[1].ext.finish()
+    assert workers[0].ext.finish(timeout=30) == []
+    ps.join(timeout=30)
+    assert served and served[0].status == "completed"
