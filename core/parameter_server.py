@@ -105,21 +105,24 @@ class _Channel:
         for i, tensor in enumerate(payload):
             header[2 + 2 * i] = _CODE[tensor.dtype]
             header[3 + 2 * i] = tensor.numel()
-        with self._lock:
-            self._pg.send([header], self._peer, 0).wait()
-            for i, tensor in enumerate(payload):
-                self._pg.send([tensor.contiguous().view(-1)], self._peer, 1 + i).wait()
+        flat = [tensor.contiguous().view(-1) for tensor in payload]
+        with self._lock:  # all posted, then waited for: one wait, not one per tensor
+            works = [self._pg.send([header], self._peer, 0)] + [
+                self._pg.send([tensor], self._peer, 1 + i) for i, tensor in enumerate(flat)]
+            for work in works:
+                work.wait()
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         with self._lock:
             self._pg.recv([header], self._peer, 0).wait()
             op, count = int(header[0]), int(header[1])
-            payload = []
-            for i in range(count):
-                tensor = torch.empty(int(header[3 + 2 * i]), dtype=_DTYPES[int(header[2 + 2 * i])])
-                self._pg.recv([tensor], self._peer, 1 + i).wait()
-                payload.append(tensor)
+            payload = [torch.empty(int(header[3 + 2 * i]), dtype=_DTYPES[int(header[2 + 2 * i])])
+                       for i in range(count)]
+            works = [self._pg.recv([tensor], self._peer, 1 + i)
+                     for i, tensor in enumerate(payload)]
+            for work in works:
+                work.wait()
         return op, payload
 
 
@@ -138,15 +141,22 @@ def _flat_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat(group) for group in groups.values()]
 
 
-def _unflatten_into(targets: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
-    groups: dict = {}
+def _views_like(targets: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into ``flats`` (one per dtype, as :func:`_flat_by_dtype` made them) shaped
+    like ``targets``, in the same order."""
+    flat_of = dict(zip(dict.fromkeys(t.dtype for t in targets), flats))
+    offsets: dict = {}
+    views = []
     for tensor in targets:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    for group, flat in zip(groups.values(), flats):
-        offset = 0
-        for tensor in group:
-            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        offset = offsets.get(tensor.dtype, 0)
+        views.append(flat_of[tensor.dtype][offset:offset + tensor.numel()].view_as(tensor))
+        offsets[tensor.dtype] = offset + tensor.numel()
+    return views
+
+
+def _unflatten_into(targets: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
+    for tensor, view in zip(targets, _views_like(targets, flats)):
+        tensor.copy_(view)
 
 
 def _store(resolver: ClusterResolver, is_master: bool, timeout: float) -> dist.TCPStore:
@@ -297,8 +307,7 @@ class ParameterServer:
             raise RuntimeError("a gradient arrived before the optimizer was registered")
         ids = meta["ids"]
         targets = [self._vars[i] for i in ids]
-        grads = [torch.empty_like(t) for t in targets]
-        _unflatten_into(grads, flats)
+        grads = _views_like(targets, flats)  # the received buffers themselves, no copy
         for tensor in self._vars.values():
             tensor.grad = None
         for tensor, grad in zip(targets, grads):
