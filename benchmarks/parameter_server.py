@@ -1,0 +1,211 @@
+"""ParameterServerStrategy with 1 and 2 workers against local central storage, in one run.
+
+The model of issue 6: an MLP 784-512-512-10 (ReLU), cross-entropy, SGD with lr 0.1, a
+global batch of 256 synthetic examples. Three variants, each its own processes, started
+the same way:
+
+* ``central``: one process, CentralStorageStrategy on 2 logical CPU replicas (CPU:0, CPU:1)
+  with the parameters on CPU:0 -- every thread of the machine;
+* ``ps_1w``: 1 ps + 1 worker (the worker trains on every whole global batch);
+* ``ps_2w``: 1 ps + 2 workers, each on its half of every global batch, asynchronously.
+
+Threads follow ``csrun launch``: each worker gets ``cpu_count // workers`` threads, a ps
+one. Every task warms up, waits at a barrier for the others, then trains ``--steps``
+steps; examples/s is every worker's examples over the span from the first start to the
+last end. Rounds run the variants in turn, in a rotating order, so that drift of the
+machine hits all; the report gives each variant's median and the median of its paired
+ratio to ``central`` in the same round.
+
+    python benchmarks/parameter_server.py                  # 3 rounds, table
+    python benchmarks/parameter_server.py --json ps.json   # and the figures as JSON
+    python benchmarks/parameter_server.py --quick          # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = {"central": 0, "ps_1w": 1, "ps_2w": 2}  # name -> workers (0: no cluster)
+GLOBAL_BATCH, FEATURES, CLASSES, DISTINCT_BATCHES = 256, 784, 10, 8
+
+
+# -- one task (run as `parameter_server.py --task ...`) ---------------------------------
+def build_model():
+    import torch.nn as nn
+    return nn.Sequential(nn.Linear(FEATURES, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, CLASSES))
+
+
+def make_strategy(kind: str):
+    if kind == "central":
+        from csrun.core import CentralStorageStrategy
+        return CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+    from csrun.core.parameter_server_strategy import ParameterServerStrategy
+    return ParameterServerStrategy(timeout=120)  # the cluster and task from TF_CONFIG
+
+
+def task(args) -> int:
+    import torch
+    import torch.nn.functional as F
+    strategy = make_strategy(args.task)
+    if args.task == "ps":
+        strategy.extended.join()
+        return 0
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = build_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(GLOBAL_BATCH, FEATURES, generator=g),
+             torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g))
+            for _ in range(DISTINCT_BATCHES)]
+    batches = [data[i % DISTINCT_BATCHES] for i in range(args.warmup + args.steps)]
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y, reduction="sum") / GLOBAL_BATCH
+        loss.backward()
+        return loss.detach(), torch.tensor(x.shape[0])
+
+    losses, examples, begin = [], 0, None
+    with strategy.scope():
+        for i, (x, y) in enumerate(strategy.experimental_distribute_dataset(batches)):
+            if i == args.warmup:
+                barrier(Path(args.barrier), args.parties)
+                begin = time.time()  # wall clock: comparable across the processes
+            optimizer.zero_grad(set_to_none=True)
+            loss, count = strategy.reduce("SUM", strategy.run(step, args=(x, y)), axis=None)
+            optimizer.step()
+            losses.append(float(loss))
+            examples += int(count) if i >= args.warmup else 0
+    end = time.time()
+    if args.task != "central":
+        strategy.extended.finish()
+    Path(args.result).write_text(json.dumps({"begin": begin, "end": end,
+                                             "examples": examples, "losses": losses}))
+    return 0
+
+
+def barrier(folder: Path, parties: int) -> None:
+    """Wait until ``parties`` tasks reached this point (files in a shared folder)."""
+    (folder / f"{os.getpid()}.ready").touch()
+    while len(list(folder.glob("*.ready"))) < parties:
+        time.sleep(0.01)
+
+
+# -- the driver -------------------------------------------------------------------------
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_variant(name: str, args, folder: Path) -> dict:
+    """Start the variant's processes, wait for them, and return its figures."""
+    workers, cpus = VARIANTS[name], os.cpu_count() or 1
+    barrier_dir = folder / f"barrier-{name}-{time.monotonic_ns()}"
+    barrier_dir.mkdir()
+    common = [sys.executable, __file__, "--steps", str(args.steps), "--warmup",
+              str(args.warmup), "--barrier", str(barrier_dir), "--parties", str(max(1, workers))]
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    if workers == 0:
+        tasks = [("central", None, cpus)]
+    else:
+        ports = free_ports(workers + 1)
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
+                   "ps": [f"127.0.0.1:{ports[-1]}"]}
+        tasks = [("ps", ("ps", 0, cluster), 1)] + [
+            ("worker", ("worker", i, cluster), max(1, cpus // workers)) for i in range(workers)]
+    procs, results = [], []
+    for k, (kind, where, threads) in enumerate(tasks):
+        result = folder / f"{name}-{k}.json"
+        task_env = dict(env, OMP_NUM_THREADS=str(threads))
+        if where is not None:
+            task_env["TF_CONFIG"] = json.dumps({"cluster": where[2], "task": {
+                "type": where[0], "index": where[1]}})
+        procs.append(subprocess.Popen(common + ["--task", kind, "--result", str(result)],
+                                      env=task_env))
+        if kind != "ps":
+            results.append(result)
+    for proc in procs:
+        if proc.wait(timeout=600) != 0:
+            raise SystemExit(f"{name}: a task failed (exit {proc.returncode})")
+    figures = [json.loads(r.read_text()) for r in results]
+    span = max(f["end"] for f in figures) - min(f["begin"] for f in figures)
+    examples = sum(f["examples"] for f in figures)
+    return {"examples_per_s": examples / span, "seconds": span, "examples": examples,
+            "final_loss": figures[0]["losses"][-1], "first_loss": figures[0]["losses"][0]}
+
+
+def measure(args) -> dict:
+    rounds: list[dict] = []
+    names = list(VARIANTS)
+    with tempfile.TemporaryDirectory(prefix="csrun-psbench-") as tmp:
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            rounds.append({name: run_variant(name, args, Path(tmp)) for name in order})
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {rounds[-1][n]['examples_per_s']:.0f} ex/s" for n in names), flush=True)
+    summary = {}
+    for name in names:
+        rates = [r[name]["examples_per_s"] for r in rounds]
+        ratios = [r[name]["examples_per_s"] / r["central"]["examples_per_s"] for r in rounds]
+        summary[name] = {"examples_per_s": statistics.median(rates),
+                         "ratio_vs_central": statistics.median(ratios),
+                         "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    import torch
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "rounds": args.rounds, "steps": args.steps,
+            "warmup": args.warmup, "global_batch": GLOBAL_BATCH, "summary": summary,
+            "per_round": rounds}
+
+
+def report(result: dict) -> str:
+    lines = [f"MLP 784-512-512-10, SGD lr 0.1, global batch {result['global_batch']}; "
+             f"torch {result['torch']}, {result['cpu_count']} CPUs; {result['rounds']} "
+             f"interleaved rounds of {result['steps']} steps (after {result['warmup']})",
+             f"{'variant':10s} {'examples/s':>12s} {'vs central':>11s} {'(min..max)':>14s}"]
+    for name, v in result["summary"].items():
+        lines.append(f"{name:10s} {v['examples_per_s']:12.0f} {v['ratio_vs_central']:11.3f} "
+                     f"{v['ratio_min']:6.3f}..{v['ratio_max']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=80, help="measured steps per worker")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before measuring")
+    parser.add_argument("--quick", action="store_true", help="1 round of 10 steps")
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--task", choices=["central", "worker", "ps"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--barrier", help=argparse.SUPPRESS)
+    parser.add_argument("--parties", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.task:
+        return task(args)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 10, 2
+    result = measure(args)
+    print(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
