@@ -187,7 +187,7 @@ def report(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=80, help="measured steps per worker")
+    parser.add_argument("--steps", type=int, default=200, help="measured steps per worker")
     parser.add_argument("--warmup", type=int, default=10, help="steps before measuring")
     parser.add_argument("--quick", action="store_true", help="1 round of 10 steps")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
