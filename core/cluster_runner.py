@@ -243,7 +243,7 @@ class ClusterSession(Session):
 
     def finish(self, status: str) -> ClusterRunResult:
         result = super().finish(status)
-        cluster = self._cluster(status)
+        cluster = self._cluster()
         self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
         self._ended = True
         if self.is_chief:
@@ -252,7 +252,7 @@ class ClusterSession(Session):
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         return ClusterRunResult(**fields, cluster=cluster)
 
-    def _cluster(self, status: str) -> dict[str, Any]:
+    def _cluster(self) -> dict[str, Any]:
         resolver = self.strategy.cluster_resolver
         return {"task": f"{resolver.task_type}:{resolver.task_id}",
                 "role": "chief" if self.is_chief else "worker",

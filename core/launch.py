@@ -41,7 +41,7 @@ from .preflight import check_writable
 from .problems import ConfigError, Problem
 
 __all__ = ["LaunchPlan", "LaunchResult", "TaskStarted", "TaskOutput", "TaskExited",
-           "plan_launch", "launch", "MAX_TASKS"]
+           "plan_launch", "launch", "tf_config", "describe_exit", "MAX_TASKS"]
 
 MAX_TASKS = max(8, 4 * (os.cpu_count() or 1))  # each task is a Python process with torch
 _POLL = 0.1
@@ -88,7 +88,7 @@ class LaunchPlan:
     chief: str                      # "chief:0" or "worker:0"
     resume: bool
     logs: pathlib.Path
-    run_config: RunConfig
+    run_config: RunConfig | None
 
     @property
     def tasks(self) -> list[str]:
@@ -97,8 +97,7 @@ class LaunchPlan:
                 for i in range(len(self.cluster.get(job, [])))]
 
     def tf_config(self, task: str) -> str:
-        job, index = task.split(":")
-        return json.dumps({"cluster": self.cluster, "task": {"type": job, "index": int(index)}})
+        return tf_config(self.cluster, task)
 
     def command(self, task: str) -> list[str]:
         command = [sys.executable, "-m", "csrun.cli.main", "train", self.config,
@@ -160,19 +159,24 @@ def plan_launch(config: str, overrides: Sequence[str] = (), *, workers: int, ps:
     cluster = {"ps": addresses[:ps], "worker": addresses[ps:ps + workers]}
     if chief:
         cluster["chief"] = addresses[-1:]
-    plan = LaunchPlan(config, list(overrides), cluster, "chief:0" if chief else "worker:0",
-                      resume, pathlib.Path(logs) if logs else pathlib.Path("."), None)
-    run_config = load_config(config, overrides,
-                             environ={**os.environ, "TF_CONFIG": plan.tf_config(plan.chief)})
+    chief_task = "chief:0" if chief else "worker:0"
+    run_config = load_config(config, overrides, environ={
+        **os.environ, "TF_CONFIG": tf_config(cluster, chief_task)})
     if run_config.strategy.kind != "parameter_server":
         raise ConfigError([Problem(
             "strategy.kind", f"is {run_config.strategy.kind!r}; csrun launch starts a "
             "parameter-server job", "add the override strategy.kind=parameter_server, or "
             "train it on one machine with csrun train")])
-    plan.run_config = run_config
-    plan.logs = pathlib.Path(logs) if logs else pathlib.Path(
+    folder = pathlib.Path(logs) if logs else pathlib.Path(
         tempfile.mkdtemp(prefix="csrun-launch-"))
-    return plan
+    return LaunchPlan(config, list(overrides), cluster, chief_task, resume, folder,
+                      run_config)
+
+
+def tf_config(cluster: dict[str, list[str]], task: str) -> str:
+    """The ``TF_CONFIG`` of ``task`` (``"worker:1"``) in ``cluster``."""
+    job, index = task.split(":")
+    return json.dumps({"cluster": cluster, "task": {"type": job, "index": int(index)}})
 
 
 def _check_counts(workers: int, ps: int, chief: bool) -> list[Problem]:
@@ -272,6 +276,7 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
     emit = on_event or (lambda event: None)
     stop = stop or threading.Event()
     plan.logs.mkdir(parents=True, exist_ok=True)
+    plan.result_path.unlink(missing_ok=True)  # an earlier job's result is not this one's
     begin = time.monotonic()
     tasks: dict[str, _Task] = {}
     try:

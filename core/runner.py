@@ -93,7 +93,9 @@ def train_from_file(path: str, overrides: Sequence[str] = (), **options: Any) ->
 def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = None,
           on_event: Callable[[Any], None] | None = None,
           stop: threading.Event | None = None) -> RunResult:
-    """Train ``config``; checkpoint, evaluate the holdout, and report.
+    """Train ``config``; checkpoint, evaluate the holdout, and report. With
+    ``strategy.kind: parameter_server``, play this process's task of the cluster
+    (:mod:`csrun.core.cluster_runner`).
 
     Args:
       config: a validated config (:func:`csrun.core.config.load_config`).
