@@ -128,7 +128,11 @@ def _joined(strategy: ParameterServerStrategy, config) -> ClusterJoined:
 
 def _serve(strategy, config, joined: ClusterJoined, stop: threading.Event) -> ServeResult:
     begin = time.perf_counter()
-    ended = strategy.extended.join(stop=stop, grace=config.strategy.timeout_s)
+    try:
+        ended = strategy.extended.join(stop=stop, grace=config.strategy.timeout_s)
+    except RuntimeError as exc:  # the store on ps:0 went away: the job is over
+        raise RunError(f"{joined.task} lost the cluster's store on ps:0: "
+                       f"{str(exc).splitlines()[0][:200]}") from None
     return ServeResult("completed" if ended else "interrupted", joined.task,
                        time.perf_counter() - begin, joined.to_dict())
 
