@@ -133,3 +133,16 @@ def test_plan_errors_are_config_errors():
     with pytest.raises(ConfigError) as info:
         plan_launch("x.yaml", workers=0, ps=0)
     assert [p.path for p in info.value.problems] == ["--workers", "--ps"]
+
+
+def test_train_on_a_parameter_server_config_without_a_cluster_says_use_launch(
+        cli, ps_tiny, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    result = cli("train", ps_tiny)
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert "strategy.cluster: kind: parameter_server needs a cluster" in result.stderr
+    assert "csrun launch CONFIG --workers 2 --ps 1" in result.stderr
+    monkeypatch.setenv("TF_CONFIG", "{'cluster': 1}")
+    result = cli("validate", ps_tiny)
+    assert result.exit_code == 2
+    assert "environment TF_CONFIG: strategy.cluster: TF_CONFIG is not valid JSON" in result.stderr
