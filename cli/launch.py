@@ -33,8 +33,9 @@ def launch(
         "--chief/--no-chief", help="Start a separate chief task besides the N workers "
         "(default: worker:0 is the chief).")] = False,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Every worker continues from the newest checkpoint in "
-        "checkpoint.dir; the chief restores the parameter servers from it.")] = False,
+        "--resume", help="The chief continues from the newest checkpoint in "
+        "checkpoint.dir and restores the parameter servers from it; the other workers "
+        "start at its step.")] = False,
     json_path: Annotated[Optional[str], typer.Option(
         "--json", metavar="PATH", help="Write the outcome (the chief's result and every "
         "task's exit code) as JSON to PATH (- for stdout).")] = None,

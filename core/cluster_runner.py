@@ -153,8 +153,8 @@ class ClusterSession(Session):
 
     # -- checkpoints: the chief's ---------------------------------------------------------
     def _checkpoints(self) -> CheckpointManager | None:
-        # other workers only read (for --resume): never clean up the chief's directory
-        return super()._checkpoints(clean=self.is_chief)
+        # the chief's alone: other workers learn where to start from the chief itself
+        return super()._checkpoints() if self.is_chief else None
 
     def save(self) -> None:
         if self.is_chief:
@@ -171,9 +171,13 @@ class ClusterSession(Session):
         self._ps_state = payload["ps"]
 
     def restore(self) -> None:
+        """The chief restores itself and the ps tasks (values, optimizer state, global
+        step); the other workers take its position when it is ready (:meth:`fit`)."""
+        if not self.is_chief:
+            return
         super().restore()
-        if self.is_chief and self._ps_state is not None:
-            self.ext.load_ps_state(self._ps_state, self.optimizer)  # values + optimizer
+        if self._ps_state is not None:
+            self.ext.load_ps_state(self._ps_state, self.optimizer)
         self._ps_state = None
 
     def checkpoint_note(self) -> str:
@@ -185,10 +189,16 @@ class ClusterSession(Session):
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self, stop: threading.Event) -> None:
+        where = ("step", "epoch", "position")
         if self.is_chief:
-            self.ext.mark_initialized()
-        else:
-            self.ext.wait_for_chief(max(self.config.strategy.timeout_s, 600.0))
+            self.ext.mark_initialized({k: getattr(self, k) for k in where})
+        else:  # start where the chief starts (0, or the step it resumed from)
+            start = self.ext.wait_for_chief(max(self.config.strategy.timeout_s, 600.0))
+            self.step, self.epoch, self.position = (int(start[k]) for k in where)
+            if self.step:
+                self.resumed_from = self.step
+                self.emit(Notice(f"starting at the chief's step {self.step} (epoch "
+                                 f"{self.epoch}, batch {self.position})"))
         super().fit(stop)
 
     def _distribute(self):

@@ -466,19 +466,22 @@ class ParameterServerClient:
                     lost[key] = self._store.get(f"lost/{key}").decode()
         return lost
 
-    def mark_initialized(self) -> None:
-        """Chief: the variables hold their starting values (fresh, or restored)."""
-        self._store.set("job/initialized", "1")
+    def mark_initialized(self, info: dict | None = None) -> None:
+        """Chief: the variables hold their starting values (fresh, or restored);
+        ``info`` (JSON data, e.g. where training starts) goes to the other workers."""
+        self._store.set("job/initialized", json.dumps(info or {}))
 
-    def wait_initialized(self, timeout: float) -> None:
+    def wait_initialized(self, timeout: float) -> dict:
         """Other workers: wait until the chief has initialized (or restored) the
-        variables, as TF's non-chief workers wait for the chief's session."""
+        variables, as TF's non-chief workers wait for the chief's session; returns the
+        chief's ``info``."""
         deadline = time.monotonic() + timeout
         while not self._store.check(["job/initialized"]):
             if time.monotonic() > deadline:
                 raise ParameterServerError(f"the chief did not initialize the variables "
                                            f"within {timeout:.0f} s; is it running?")
             time.sleep(0.05)
+        return json.loads(self._store.get("job/initialized"))
 
     def abort(self, reason: str) -> None:
         """Chief: end the job after a failure; each ps answers the workers' next

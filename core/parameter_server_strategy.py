@@ -225,14 +225,16 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         self._remote().client.set_global_step(max(int(s.get("version", 0)) for s in states))
         self.pull()
 
-    def mark_initialized(self) -> None:
-        """Chief: the variables hold their starting values; other workers may go on."""
-        self._remote().client.mark_initialized()
+    def mark_initialized(self, info: dict | None = None) -> None:
+        """Chief: the variables hold their starting values; other workers may go on.
+        ``info`` (JSON data) reaches them through :meth:`wait_for_chief`."""
+        self._remote().client.mark_initialized(info)
 
-    def wait_for_chief(self, timeout: float = 600.0) -> None:
+    def wait_for_chief(self, timeout: float = 600.0) -> dict:
         """Non-chief workers: wait until the chief has initialized or restored the
-        variables (:meth:`mark_initialized`), as TF's workers wait for the chief."""
-        self._remote().client.wait_initialized(timeout)
+        variables (:meth:`mark_initialized`), as TF's workers wait for the chief; returns
+        the chief's ``info``."""
+        return self._remote().client.wait_initialized(timeout)
 
     def abort(self, reason: str) -> None:
         """Chief: end the job after a failure; the ps tasks stop and workers that push

@@ -346,14 +346,14 @@ class Session:
     def close(self) -> None:
         self.sinks.close()
 
-    def _checkpoints(self, clean: bool = True) -> CheckpointManager | None:
-        """The checkpoint manager (None without ``checkpoint.dir``); with ``clean``, rid
-        of what a crash mid-save left (the complete checkpoints are untouched)."""
+    def _checkpoints(self) -> CheckpointManager | None:
+        """The checkpoint manager (None without ``checkpoint.dir``), rid of what a crash
+        mid-save left (the complete checkpoints are untouched)."""
         if not self.config.checkpoint.dir:
             return None
         manager = CheckpointManager(self.config.checkpoint.dir, self.config.checkpoint.keep,
                                     _identity(self.config, self.replicas))
-        removed = manager.remove_incomplete() if clean else []
+        removed = manager.remove_incomplete()
         if removed:
             self.emit(Notice(f"removed {len(removed)} incomplete checkpoint file(s) left by "
                              f"an interrupted save: {', '.join(removed)}"))

@@ -149,6 +149,7 @@ def test_a_dead_ps_stops_the_job_with_a_clear_error_and_the_checkpoint_intact(la
 def test_sigterm_stops_every_task_cleanly_and_resume_goes_on(launched, tmp_path):
     job = launched("--workers", "2", "--ps", "1", "train.steps=100000")
     job.wait_for(lambda: job.log_has("worker:0", "checkpoint: step 20"), "a checkpoint")
+    job.wait_for(lambda: job.log_has("worker:1", "step 10/"), "progress of worker:1")
     job.process.send_signal(signal.SIGTERM)
     code, result = job.finish()
     assert code == 143, job.output()
@@ -167,4 +168,5 @@ def test_sigterm_stops_every_task_cleanly_and_resume_goes_on(launched, tmp_path)
     chief = result["result"]
     assert chief["checkpoint"]["resumed_from_step"] == saved and chief["steps"] == saved + 20
     assert chief["cluster"]["global_step"] == applied + 40  # restored, then 2 x 20 steps
-    assert "resumed from step" in job.output()
+    assert f"[worker:0] note: resumed from step {saved}" in job.output()
+    assert f"[worker:1] note: starting at the chief's step {saved}" in job.output()
