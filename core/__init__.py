@@ -22,6 +22,8 @@ aggregation
     How updates made inside replicas are combined (:class:`VariableAggregation`).
 """
 
+from .cluster import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
+                      TFConfigClusterResolver, TorchrunClusterResolver)
 from .context import (ReplicaContext, get_cross_replica_context, get_replica_context,
                       get_strategy, has_strategy, in_cross_replica_context)
 from .devices import (DeviceError, LogicalDevice, canonical_name, local_devices,
@@ -29,6 +31,7 @@ from .devices import (DeviceError, LogicalDevice, canonical_name, local_devices,
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
                     InputContext, InputOptions, InputReplicationMode, PerReplicaSpec,
                     TensorSliceDataset, TensorSpec, ValueContext)
+from .parameter_server_strategy import ParameterServerStrategy
 from .parameters import get_aggregation, set_aggregation
 from .reduce import ReduceOp
 from .replica_run import ReplicaAborted
@@ -40,6 +43,12 @@ from .variables import Variable, VariableAggregation, VariableSynchronization
 __all__ = [
     "CentralStorageStrategy",
     "ParameterServerStrategyExtended",
+    "ParameterServerStrategy",
+    "ClusterSpec",
+    "ClusterResolver",
+    "SimpleClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
     "Strategy",
     "StrategyOptions",
     "RunOptions",

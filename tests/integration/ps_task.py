@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from csrun.core.parameter_server import ParameterServerError
-from csrun.core.parameter_server_strategy import ParameterServerStrategy
+from csrun.core import ParameterServerStrategy
 
 
 def main() -> int:

@@ -417,3 +417,14 @@ def test_runs_leave_no_cyclic_garbage():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_parameter_server_strategy_is_exported_and_is_central_storage_without_a_cluster(
+        monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    for name in ("ParameterServerStrategy", "ClusterSpec", "SimpleClusterResolver",
+                 "TFConfigClusterResolver", "TorchrunClusterResolver"):
+        assert name in cs.__all__ and hasattr(cs, name)
+    strategy = cs.ParameterServerStrategy()
+    assert strategy.cluster_resolver is None and strategy.num_replicas_in_sync == 1
+    assert float(strategy.reduce("SUM", strategy.run(lambda: torch.tensor(3.0)))) == 3.0
