@@ -523,11 +523,11 @@ def _sibling_hint(path: pathlib.Path) -> str | None:
         return None
     files = {p.stem: p.name for p in folder.glob("*.y*ml") if p.is_file()}
     names = sorted(files.values())
-    from .problems import did_you_mean
+    from .problems import closest
     # compare the stems: a shared ".yaml" would make unrelated names look alike
-    close = did_you_mean(path.stem, sorted(files))
-    if close:
-        return f"did you mean {files[close.split(chr(39))[1]]!r}?"
+    close = closest(path.stem, sorted(files))
+    if close is not None:
+        return f"did you mean {files[close]!r}?"
     listed = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
     return f"YAML files in {str(folder)!r}: {listed}" if names else None
 

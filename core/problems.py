@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 from typing import Iterable
 
-__all__ = ["Problem", "ConfigError", "did_you_mean", "clipped"]
+__all__ = ["Problem", "ConfigError", "did_you_mean", "closest", "clipped"]
 
 # How much of a user's text a message echoes: a 3000-character override or key must not
 # make a 3000-character error line.
@@ -79,7 +79,13 @@ class ConfigError(ValueError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    """``"did you mean 'x'?"`` for the closest of ``choices``, else None.
+    """``"did you mean 'x'?"`` for the closest of ``choices``, else None."""
+    best = closest(word, choices)
+    return f"did you mean {best!r}?" if best is not None else None
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``word``, or None when none is close.
 
     Closest by edit distance counting a swap of neighbours as one edit (``Adma`` ->
     ``Adam``), ignoring case; difflib's similarity breaks ties and catches the rest.
@@ -91,9 +97,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
                                             -difflib.SequenceMatcher(None, word, c).ratio()))
     best = scored[0]
     if _edits(word.lower(), best.lower()) <= max(1, len(word) // 3):
-        return f"did you mean {best!r}?"
+        return best
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else None
+    return close[0] if close else None
 
 
 def _edits(a: str, b: str) -> int:

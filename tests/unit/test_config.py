@@ -171,6 +171,15 @@ def test_missing_file_suggests_a_sibling(tmp_path):
     assert load_config(tmp_path / "quickstart.yaml").train.steps == 4
 
 
+def test_missing_file_suggests_a_sibling_whose_name_has_a_quote(tmp_path):
+    # regression: the name was cut back out of did_you_mean's message, and an apostrophe
+    # made repr() switch quotes: a KeyError instead of the hint
+    (tmp_path / "bob's.yaml").write_text(BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "bobs.yaml")
+    assert info.value.problems[0].hint == 'did you mean "bob\'s.yaml"?'
+
+
 def test_did_you_mean():
     assert did_you_mean("Adma", ["Adam", "Adamax", "SGD"]) == "did you mean 'Adam'?"
     assert did_you_mean("sgd", ["SGD", "ASGD"]) == "did you mean 'SGD'?"
