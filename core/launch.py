@@ -287,11 +287,20 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
                              name == plan.chief, *map(str, tasks[name].paths.values())))
         forwarded = _wait(plan, tasks, emit, stop, received)
     except KeyboardInterrupt:
-        for task in tasks.values():
-            task.signal(signal.SIGKILL)
-        _reap(tasks, emit, deadline=time.monotonic() + _KILL_AFTER_S)
+        _kill_all(tasks, emit)
         return _judge(plan, tasks, begin, "SIGINT", aborted=True)
+    except BaseException:
+        # the tasks run in their own sessions: nothing else would ever stop them (a
+        # closed stdout under `| head`, a failed start, an unreadable log)
+        _kill_all(tasks, lambda event: None)
+        raise
     return _judge(plan, tasks, begin, forwarded)
+
+
+def _kill_all(tasks: dict[str, "_Task"], emit) -> None:
+    for task in tasks.values():
+        task.signal(signal.SIGKILL)
+    _reap(tasks, emit, deadline=time.monotonic() + _KILL_AFTER_S)
 
 
 def _wait(plan: LaunchPlan, tasks: dict[str, _Task], emit, stop: threading.Event,

@@ -2,9 +2,11 @@
 job is judged from its tasks' exits, what a failure names, how signals are forwarded."""
 
 import json
+import os
 import signal
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -135,3 +137,35 @@ def test_plan_gives_each_task_its_tf_config_and_command(tmp_path):
 def test_describe_exit():
     assert describe_exit(0) == "exit 0" and describe_exit(143) == "exit 143"
     assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(None) == "still running"
+
+
+@pytest.mark.timeout(60)
+def test_an_error_in_the_launcher_kills_every_task_it_started(tmp_path):
+    # e.g. `csrun launch ... | head`: writing an event fails; tasks in their own
+    # sessions would otherwise run on as orphans
+    forever = "import time; time.sleep(60)"
+    made = plan(tmp_path, ps_0=forever, worker_0=forever, worker_1=forever)
+    started = []
+
+    def on_event(event):
+        if isinstance(event, TaskStarted):
+            started.append(event.pid)
+            if len(started) == 2:
+                raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError):
+        launch(made, on_event)
+    deadline = time.monotonic() + 10
+    alive = started
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in started if _alive(pid)]
+        time.sleep(0.05)
+    assert alive == []
+
+
+def _alive(pid):
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == 0
