@@ -21,6 +21,7 @@ TF's workers wait for the chief's session. A ps that dies stops the workers with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -88,13 +89,20 @@ def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None]
     emit(joined)
     if strategy.extended.is_ps:
         return _serve(strategy, config, joined, stop)
-    session = ClusterSession(config, outputs, emit, strategy)
+    session = None
     try:
+        session = ClusterSession(config, outputs, emit, strategy)
         return run_session(session, resume, stop)
     except BaseException as exc:
-        session.abort(f"{joined.task} failed: {type(exc).__name__}: {exc}")
+        reason = f"{joined.task} failed: {type(exc).__name__}: {exc}"
+        if session is not None:
+            session.abort(reason)
+        elif strategy.extended.is_chief:  # failed while setting up: still end the job,
+            with contextlib.suppress(Exception):  # or the ps tasks would serve forever
+                strategy.extended.abort(reason)
         if isinstance(exc, ParameterServerError):
-            raise RunError(f"{exc}; {session.checkpoint_note()}") from None
+            note = session.checkpoint_note() if session else "no checkpoint was written"
+            raise RunError(f"{exc}; {note}") from None
         raise
 
 

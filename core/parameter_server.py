@@ -477,6 +477,9 @@ class ParameterServerClient:
         chief's ``info``."""
         deadline = time.monotonic() + timeout
         while not self._store.check(["job/initialized"]):
+            if self._store.check(["job/aborted"]):  # the chief failed before initializing
+                raise ParameterServerError(f"the job was aborted: "
+                                           f"{self._store.get('job/aborted').decode()}")
             if time.monotonic() > deadline:
                 raise ParameterServerError(f"the chief did not initialize the variables "
                                            f"within {timeout:.0f} s; is it running?")

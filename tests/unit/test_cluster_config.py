@@ -3,6 +3,8 @@ every way they can be wrong (exit 2 with a dotted path, where it came from, and 
 
 import json
 import textwrap
+import threading
+import types
 
 import pytest
 
@@ -166,3 +168,42 @@ def test_settings_that_cannot_work_in_a_cluster():
     assert problem.path == "strategy.num_gpus_per_worker" and "GPU:" in problem.message
     (problem,) = problems(overrides=["strategy.variable_placement=even"], environ=tf_config())
     assert problem.path == "strategy.variable_placement"
+
+
+def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
+    # else the ps tasks serve forever and the other workers wait for the chief's init
+    from csrun.core import cluster_runner
+
+    aborted = []
+    extended = types.SimpleNamespace(is_ps=False, is_chief=True, abort=aborted.append)
+    monkeypatch.setattr(cluster_runner, "connect",
+                        lambda config: types.SimpleNamespace(extended=extended))
+    monkeypatch.setattr(cluster_runner, "_joined",
+                        lambda strategy, config: types.SimpleNamespace(task="worker:0"))
+
+    def broken_session(*args):
+        raise OSError("data file vanished")
+    monkeypatch.setattr(cluster_runner, "ClusterSession", broken_session)
+    with pytest.raises(OSError, match="vanished"):
+        cluster_runner.run_task(None, False, None, lambda event: None, threading.Event())
+    assert aborted == ["worker:0 failed: OSError: data file vanished"]
+
+
+@pytest.mark.timeout(30)
+def test_workers_waiting_for_the_chief_hear_its_abort():
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from csrun.core.parameter_server import ParameterServerClient, ParameterServerError
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
+    client._store = store
+    threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
+    begin = time.monotonic()
+    with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
+        client.wait_initialized(20)
+    assert time.monotonic() - begin < 5
