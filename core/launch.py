@@ -167,6 +167,12 @@ def plan_launch(config: str, overrides: Sequence[str] = (), *, workers: int, ps:
             "strategy.kind", f"is {run_config.strategy.kind!r}; csrun launch starts a "
             "parameter-server job", "add the override strategy.kind=parameter_server, or "
             "train it on one machine with csrun train")])
+    if run_config.strategy.task is not None:
+        # launch gives every task its own TF_CONFIG; a fixed task would pass for the chief
+        # here and then fail in every other task (a fixed cluster already fails above)
+        raise ConfigError([Problem(
+            "strategy.task", "is set in the config; csrun launch gives each task its own",
+            "remove strategy.task (keep it for a task you start yourself with csrun train)")])
     folder = pathlib.Path(logs) if logs else pathlib.Path(
         tempfile.mkdtemp(prefix="csrun-launch-"))
     return LaunchPlan(config, list(overrides), cluster, chief_task, resume, folder,

@@ -81,6 +81,15 @@ def test_a_cluster_in_the_file_must_not_fight_the_launcher(cli, ps_tiny):
     assert "csrun launch sets TF_CONFIG itself" in result.stderr
 
 
+def test_a_task_in_the_file_is_refused_before_any_task_starts(cli, ps_tiny):
+    # it matches the chief's TF_CONFIG, so only the other tasks would have failed
+    result = cli("launch", ps_tiny, "strategy.task={type: worker, index: 0}",
+                 "--workers", "2", "--ps", "1")
+    assert result.exit_code == 2
+    assert "strategy.task: is set in the config; csrun launch gives each task its own" \
+        in result.stderr
+
+
 def outcome(status, exit_code, **fields):
     base = dict(status=status, exit_code=exit_code, chief="worker:0",
                 tasks=[{"task": "ps:0", "pid": 1, "exit_code": 0, "stdout": "a", "stderr": "b"},
