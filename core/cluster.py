@@ -28,11 +28,16 @@ class ClusterError(ValueError):
     """A cluster description that cannot work (names what is wrong and how to fix it)."""
 
 
+def is_address(value: object) -> bool:
+    """``"host:port"`` with a port in 1..65535 (the form of every task address)."""
+    if not isinstance(value, str):
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
+
+
 def _check_address(job: str, index: int, address: object) -> str:
-    if not isinstance(address, str) or ":" not in address:
-        raise ClusterError(f"cluster.{job}[{index}] must be 'host:port', got {address!r}")
-    host, _, port = address.rpartition(":")
-    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    if not is_address(address):
         raise ClusterError(f"cluster.{job}[{index}] must be 'host:port' with a port in "
                            f"1..65535, got {address!r}")
     return address

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue,
                       ValidationError)
 
+from .cluster import is_address
 from .problems import ConfigError, Problem
 from .safe_yaml import MAX_BYTES, YamlDocument, load_yaml
 
@@ -80,9 +81,7 @@ class CentralStorageConfig(_Section):
 
 
 def _address(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) \
-            or not 0 < int(port) < 65536:
+    if not is_address(value):
         raise ValueError(f"{value!r} is not 'host:port' with a port in 1..65535")
     return value
 
