@@ -246,16 +246,11 @@ class ClusterSession(Session):
         try:
             with torch.no_grad():
                 for x, y in self.pipeline.eval_loader(self.holdout, self.pipeline.batch_size):
-                    output = self.model(x)
-                    totals["loss"] += float(self.loss_fn(output, y))
-                    totals["examples"] += int(x.shape[0])
-                    if self.classify:
-                        totals["correct"] += int((output.argmax(1) == y).sum())
+                    for key, value in self.eval_stats(x, y).items():
+                        totals[key] += value.item()
         finally:
             self.model.train()
-        examples = totals["examples"]
-        return Evaluated(examples, totals["loss"] / examples,
-                         totals["correct"] / examples if self.classify else None)
+        return self.evaluated(totals)
 
     def _started(self) -> RunStarted:
         started = super()._started()

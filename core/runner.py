@@ -594,11 +594,7 @@ class Session:
 
         def eval_step(x, y):
             with torch.no_grad():  # grad mode is per thread: set it in the replica
-                output = self.model(x)
-                correct = (output.argmax(1) == y).sum() if self.classify else \
-                    torch.zeros((), dtype=torch.int64)
-                return {"loss": self.loss_fn(output, y), "examples": torch.tensor(x.shape[0]),
-                        "correct": correct}
+                return self.eval_stats(x, y)
 
         self.model.eval()
         try:
@@ -610,6 +606,17 @@ class Session:
                         totals[key] += step[key].item()
         finally:
             self.model.train()
+        return self.evaluated(totals)
+
+    def eval_stats(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Summed loss, example count and correct predictions of one held-out batch."""
+        output = self.model(x)
+        correct = (output.argmax(1) == y).sum() if self.classify else \
+            torch.zeros((), dtype=torch.int64)
+        return {"loss": self.loss_fn(output, y), "examples": torch.tensor(x.shape[0]),
+                "correct": correct}
+
+    def evaluated(self, totals: dict[str, float]) -> Evaluated:
         examples = int(totals["examples"])
         return Evaluated(examples, totals["loss"] / examples,
                          totals["correct"] / examples if self.classify else None)
