@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -103,15 +102,6 @@ def barrier(folder: Path, parties: int) -> None:
 
 
 # -- the driver -------------------------------------------------------------------------
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
 
 def run_variant(name: str, args, folder: Path) -> dict:
     """Start the variant's processes, wait for them, and return its figures."""
@@ -124,6 +114,7 @@ def run_variant(name: str, args, folder: Path) -> dict:
     if workers == 0:
         tasks = [("central", None, cpus)]
     else:
+        from csrun.core.launch import free_ports  # the driver itself stays free of torch
         ports = free_ports(workers + 1)
         cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
                    "ps": [f"127.0.0.1:{ports[-1]}"]}

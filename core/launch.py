@@ -155,7 +155,7 @@ def plan_launch(config: str, overrides: Sequence[str] = (), *, workers: int, ps:
                                                                  directory=True)
     if problems:
         raise ConfigError(problems)
-    addresses = [f"127.0.0.1:{port}" for port in _free_ports(ps + workers + chief)]
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(ps + workers + chief)]
     cluster = {"ps": addresses[:ps], "worker": addresses[ps:ps + workers]}
     if chief:
         cluster["chief"] = addresses[-1:]
@@ -200,7 +200,9 @@ def _check_counts(workers: int, ps: int, chief: bool) -> list[Problem]:
     return problems
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on loopback (free when asked: another process may
+    still take one before its task binds it)."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:  # all bound at once: distinct ports

@@ -3,7 +3,6 @@ each worker trains on its slice of the global batch with its loss divided by the
 batch, so the updates of the two workers add up to one central-storage step."""
 
 import json
-import socket
 import threading
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from csrun.core.cluster_runner import ClusterSession, connect, run_task
 from csrun.core.config import load_config_text
+from csrun.core.launch import free_ports
 from csrun.core.runner import Outputs, Session
 
 TEXT = """\
@@ -25,15 +25,6 @@ optimizer: {name: SGD, lr: 0.5}
 train: {steps: 1}
 """
 
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.mark.timeout(120)

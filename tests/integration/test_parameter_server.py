@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from csrun.core.launch import free_ports
+
 TASK = Path(__file__).with_name("ps_task.py")
 
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _steps_done(path: Path) -> int:
@@ -35,7 +27,7 @@ def _steps_done(path: Path) -> int:
 
 class Cluster:
     def __init__(self, tmp_path: Path, workers: int = 2, ps: int = 1):
-        ports = _free_ports(workers + ps)
+        ports = free_ports(workers + ps)
         self.spec = {"worker": [f"localhost:{p}" for p in ports[:workers]],
                      "ps": [f"localhost:{p}" for p in ports[workers:]]}
         self.tmp = tmp_path
