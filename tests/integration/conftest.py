@@ -1,12 +1,11 @@
 """Fixtures of the integration tests: real ``csrun`` processes on tiny configs."""
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from csrun_cli import csrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,15 +22,6 @@ model: {kind: mlp, hidden: [16], dropout: 0.1}
 optimizer: {name: Adam, lr: 0.01}
 train: {epochs: 2, log_every: 4}
 """
-
-
-def csrun_command() -> list[str]:
-    """The installed ``csrun`` script beside this Python (else ``python -m``)."""
-    script = Path(sys.executable).with_name("csrun")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("csrun")
-    return [found] if found else [sys.executable, "-m", "csrun.cli.main"]
 
 
 def child_env() -> dict:

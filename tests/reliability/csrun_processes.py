@@ -4,9 +4,9 @@ the tiny config they train."""
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 from pathlib import Path
+
+from csrun_cli import csrun_command  # noqa: F401 - the tests import it from here
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,15 +23,6 @@ model: {kind: mlp, hidden: [16]}
 optimizer: {name: Adam, lr: 0.01}
 train: {steps: 40, log_every: 10}
 """
-
-
-def csrun_command() -> list[str]:
-    """The installed ``csrun`` script beside this Python (else ``python -m``)."""
-    script = Path(sys.executable).with_name("csrun")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("csrun")
-    return [found] if found else [sys.executable, "-m", "csrun.cli.main"]
 
 
 def child_env() -> dict:
