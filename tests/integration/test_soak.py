@@ -7,20 +7,15 @@ descriptors must come back to the same count, and the step time must stay steady
 """
 
 import gc
-import os
-import statistics
-import threading
 import time
 
 import psutil
 import pytest
 import torch
 import torch.nn.functional as F
+from soak_checks import STEPS, WARMUP, check_flat, sample
 
 import csrun.core as cs
-
-STEPS = int(os.environ.get("CSRUN_SOAK_STEPS", "3000"))
-WARMUP = STEPS // 5
 
 
 @pytest.mark.timeout(900)
@@ -54,22 +49,10 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
             done += 1
             assert torch.isfinite(loss)
             if done in (WARMUP, STEPS):
-                gc.collect()
-                samples[done] = (process.memory_info().rss, threading.active_count(),
-                                 process.num_fds())
+                samples[done] = sample(process)
             if done == STEPS:
                 break
         time.sleep(0)  # let the finished pass's reader thread exit
     gc.collect()
     time.sleep(0.5)
-    (rss0, threads0, fds0), (rss1, threads1, fds1) = samples[WARMUP], samples[STEPS]
-    growth = (rss1 - rss0) / rss0
-    early = statistics.median(times[WARMUP:2 * WARMUP])
-    late = statistics.median(times[-WARMUP:])
-    print(f"\nsoak: {STEPS} steps, RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
-          f"({growth:+.2%}), threads {threads0} -> {threads1}, fds {fds0} -> {fds1}, "
-          f"median step {early * 1e3:.2f} -> {late * 1e3:.2f} ms")
-    assert growth < 0.05
-    assert threads1 <= threads0 + 1  # at most the reader thread of the pass in flight
-    assert fds1 <= fds0
-    assert late < 1.5 * early
+    check_flat("soak", samples, times)

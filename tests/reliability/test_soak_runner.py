@@ -9,24 +9,19 @@ run does around it.
 
 from __future__ import annotations
 
-import gc
 import os
-import statistics
-import threading
 import time
 
 import psutil
 import pytest
 from rich.console import Console
+from soak_checks import STEPS, WARMUP, check_flat, sample
 
 from csrun.cli.render import View
 from csrun.core.config import load_config_text
 from csrun.core.events import StepDone
 from csrun.core.runner import Outputs, train
 from csrun_processes import TINY
-
-STEPS = int(os.environ.get("CSRUN_SOAK_STEPS", "3000"))
-WARMUP = STEPS // 5
 
 
 @pytest.mark.timeout(900)
@@ -46,27 +41,15 @@ def test_a_long_run_keeps_memory_threads_handles_and_step_time_flat(tmp_path, mo
         if isinstance(event, StepDone):
             stamps.append(time.perf_counter())
             if event.step in (WARMUP, STEPS):
-                gc.collect()
-                samples[event.step] = (process.memory_info().rss, threading.active_count(),
-                                       process.num_fds())
+                samples[event.step] = sample(process)
 
     try:
         result = train(config, outputs=Outputs(metrics="m.jsonl"), on_event=on_event)
     finally:
         sink.close()
     assert result.status == "completed" and result.steps == STEPS
-    (rss0, threads0, fds0), (rss1, threads1, fds1) = samples[WARMUP], samples[STEPS]
-    growth = (rss1 - rss0) / rss0
     times = [b - a for a, b in zip(stamps, stamps[1:])]
-    early = statistics.median(times[WARMUP:2 * WARMUP])
-    late = statistics.median(times[-WARMUP:])
-    print(f"\nrunner soak: {STEPS} steps, RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
-          f"({growth:+.2%}), threads {threads0} -> {threads1}, fds {fds0} -> {fds1}, "
-          f"median step {early * 1e3:.2f} -> {late * 1e3:.2f} ms")
-    assert growth < 0.05
-    assert threads1 <= threads0 + 1  # at most the reader thread of the pass in flight
-    assert fds1 <= fds0
-    assert late < 1.5 * early
+    check_flat("runner soak", samples, times)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         f"ckpt-{STEPS - 200:08d}.json", f"ckpt-{STEPS - 200:08d}.pt",
         f"ckpt-{STEPS:08d}.json", f"ckpt-{STEPS:08d}.pt"]
