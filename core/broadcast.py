@@ -38,9 +38,12 @@ class _Group:
         self.stamp = None
 
     def refresh(self) -> None:
-        stamp = [(t._version, t.data_ptr()) for t in self.tensors]
+        stamp = [(t._version, t.data_ptr(), t.requires_grad) for t in self.tensors]
         if stamp == self.stamp:
             return
+        for tensor, leaf in zip(self.tensors, self.leaves):  # frozen or unfrozen since
+            if leaf.requires_grad != tensor.requires_grad:
+                leaf.requires_grad_(tensor.requires_grad)
         with torch.no_grad():
             flat = [t.detach().reshape(-1) for t in self.tensors]
             if self.staging is not None:
@@ -103,7 +106,7 @@ class DeviceMirror:
             raise KeyError("csrun: a served tensor is not tracked by its strategy")
         return leaf
 
-    def start_grads(self, served: dict) -> list:
+    def start_grads(self, served: dict) -> list:  # served: keyed by id(central)
         """Start moving this replica's new gradients to the parameter device.
 
         One coalesced copy per dtype; from a GPU to a CPU parameter device it is a
@@ -114,7 +117,7 @@ class DeviceMirror:
         transfers = []
         for group in self._groups:
             pairs = [(t, leaf) for t, leaf in zip(group.tensors, group.leaves)
-                     if leaf.grad is not None and t in served]
+                     if leaf.grad is not None and id(t) in served]
             if not pairs:
                 continue
             flat = torch.cat([leaf.grad.reshape(-1) for _, leaf in pairs])

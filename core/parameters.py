@@ -159,6 +159,7 @@ class ParameterStore:
         self._order: dict[int, int] = {}  # id -> creation sequence number
         self._generation = 0
         self._lock = threading.Lock()
+        self.torch_devices = [d.torch_device for d in self.compute_devices]
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
@@ -245,8 +246,10 @@ class ParameterStore:
         pending = [s for s in self._pending if s.params]
         if not pending:
             return
+        started = [serving.start_grads() for serving in pending]
+        if not any(started):  # nothing new since the last flush: the usual re-check
+            return
         with torch.no_grad():
-            started = [serving.start_grads() for serving in pending]
             for serving, transfers in zip(pending, started):
                 accumulate(*serving.finish_grads(transfers))
 
@@ -276,13 +279,22 @@ class ParameterStore:
 
     # -- replica views -------------------------------------------------------------------
     def alias(self, replica_id: int, central: torch.Tensor) -> torch.Tensor:
-        """A leaf sharing ``central``'s storage, cached per replica."""
+        """A leaf sharing ``central``'s storage, cached per replica.
+
+        Remade when ``central`` got new data (``p.data = ...``), or was frozen or unfrozen
+        (``requires_grad_``). Keyed by id, holding ``central``: a tensor's ``__hash__`` is
+        Python code, and this runs for every parameter of every run.
+        """
         cache = self._aliases[replica_id]
-        leaf = cache.get(central)
-        if (leaf is None or leaf.data_ptr() != central.data_ptr()
-                or leaf.shape != central.shape or leaf.dtype != central.dtype):
-            leaf = central.detach().requires_grad_(central.requires_grad)
-            cache[central] = leaf
+        entry = cache.get(id(central))
+        if entry is not None and entry[0] is central:
+            leaf = entry[1]
+            if (leaf.data_ptr() == central.data_ptr() and leaf.shape == central.shape
+                    and leaf.dtype == central.dtype
+                    and leaf.requires_grad == central.requires_grad):
+                return leaf
+        leaf = central.detach().requires_grad_(central.requires_grad)
+        cache[id(central)] = (central, leaf)
         return leaf
 
     def mirror(self, replica_id: int):
@@ -293,12 +305,13 @@ class ParameterStore:
             self._mirrors[replica_id] = mirror
         return mirror
 
-    def check_device(self, central: torch.Tensor, path: str) -> None:
+    def check_device(self, central: torch.Tensor, owner: "ServedDict", name: str) -> None:
         if central.device != self._torch_param:
             raise RuntimeError(
-                f"{path} lives on {central.device}, but the strategy keeps parameters on "
-                f"{self.parameter_device.short_name}; models created in strategy.scope() must "
-                "not be moved with .to()/.cuda() -- the strategy places them")
+                f"{owner.path(name)} lives on {central.device}, but the strategy keeps "
+                f"parameters on {self.parameter_device.short_name}; models created in "
+                "strategy.scope() must not be moved with .to()/.cuda() -- the strategy "
+                "places them")
 
 
 class ReplicaServing:
@@ -310,9 +323,10 @@ class ReplicaServing:
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
         self.replica_id = replica_id
-        self.device = store.compute_devices[replica_id].torch_device
+        self.device = store.torch_devices[replica_id]
         self.copies = store.copies[replica_id]
-        self.params: dict = {}   # central tensor -> leaf served this run
+        # id(central) -> (central, leaf) served this run (ids: a tensor's hash is Python)
+        self.params: dict = {}
         # (id of owner dict, name) -> [copy, version at serve, assigned, owner dict]
         self.buffers: dict = {}
         self._mirror = None
@@ -320,23 +334,23 @@ class ReplicaServing:
 
     def serve(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
         if owner._kind == "parameter":
-            leaf = self.params.get(value)
-            if leaf is None:
-                self.store.check_device(value, owner.path(name))
-                leaf = self._leaf(value)
-            elif self._stale:
+            served = self.params.get(id(value))
+            if served is None:
+                self.store.check_device(value, owner, name)
+                return self._leaf(value)
+            if self._stale:
                 self._refresh_copies()
-            return leaf
+            return served[1]
         return self._buffer(owner, name, value)
 
     def serve_tensor(self, central: torch.Tensor) -> torch.Tensor:
         """The replica's leaf for a tracked tensor that is not in a module (a Variable)."""
-        leaf = self.params.get(central)
-        if leaf is None:
+        served = self.params.get(id(central))
+        if served is None:
             return self._leaf(central)
         if self._stale:
             self._refresh_copies()
-        return leaf
+        return served[1]
 
     def invalidate(self) -> None:
         """Central values may have changed in cross-replica context (a merge_call)."""
@@ -363,7 +377,7 @@ class ReplicaServing:
         else:
             leaf = self.store.alias(self.replica_id, central)
             leaf.grad = None
-        self.params[central] = leaf
+        self.params[id(central)] = (central, leaf)
         return leaf
 
     def _buffer(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -404,9 +418,10 @@ class ReplicaServing:
         """Take this replica's new leaf gradients (copies start moving to the parameter
         device; aliases are already there)."""
         if self.copies:
-            return self._mirror.start_grads(self.params)
+            with torch.no_grad():  # grads made with create_graph=True must not be traced
+                return self._mirror.start_grads(self.params)
         pairs = []
-        for central, leaf in self.params.items():
+        for central, leaf in self.params.values():
             if leaf.grad is not None:
                 pairs.append((central, leaf.grad))
                 leaf.grad = None
@@ -420,7 +435,7 @@ class ReplicaServing:
         return [c for c, _ in transfers], [g for _, g in transfers]
 
     def clear_grads(self) -> None:
-        for leaf in self.params.values():
+        for _, leaf in self.params.values():
             leaf.grad = None
 
 

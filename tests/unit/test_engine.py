@@ -144,6 +144,42 @@ def test_gradients_from_a_backward_after_run_reach_the_optimizer(copy):
     assert layer.weight.tolist() == [[-2.0, -2.0]]  # 1 - (1 + 2)
 
 
+@pytest.mark.parametrize("replicas,copy", [(1, False), (2, False), (2, True)])
+def test_freezing_a_parameter_between_runs_stops_its_gradient(replicas, copy):
+    # fine-tuning freezes layers after some steps: replicas' cached leaves must follow
+    strategy = _strategy(replicas, copy_parameters=copy)
+    with strategy.scope():
+        layer = torch.nn.Linear(3, 1)
+    x = torch.ones(2 * replicas, 3)
+    (batch,) = strategy.experimental_distribute_dataset([x])
+
+    def step(v):
+        layer(v).sum().backward()
+
+    def grads():
+        layer.weight.grad = layer.bias.grad = None
+        strategy.run(step, args=(batch,))
+        strategy.extended._store.flush_pending()
+        return layer.weight.grad, layer.bias.grad
+    assert all(g is not None for g in grads())
+    layer.weight.requires_grad_(False)
+    weight_grad, bias_grad = grads()
+    assert weight_grad is None and bias_grad.tolist() == [2.0 * replicas]
+    layer.weight.requires_grad_(True)
+    weight_grad, _ = grads()
+    assert weight_grad.tolist() == [[2.0 * replicas] * 3]
+
+
+def test_replacing_parameter_data_between_runs_is_seen_by_replicas():
+    strategy = _strategy(2)
+    with strategy.scope():
+        layer = torch.nn.Linear(1, 1, bias=False)
+    x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(1, 1))
+    layer.weight.data = torch.full((1, 1), 3.0)  # new storage, not an in-place write
+    out = strategy.experimental_local_results(strategy.run(lambda v: layer(v).item(), args=(x,)))
+    assert out == (3.0, 3.0)
+
+
 def test_optimizer_step_inside_a_replica_is_refused_with_advice():
     strategy = _strategy(2)
     with strategy.scope():
