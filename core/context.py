@@ -29,9 +29,6 @@ __all__ = [
     "cross_replica_required",
 ]
 
-_tls = threading.local()
-
-
 class _Entry:
     """One level of the context stack: a strategy and, in replica context, its replica."""
 
@@ -46,35 +43,41 @@ class _Entry:
 _BOTTOM = _Entry(None)
 
 
-def _stack() -> list:
-    stack = getattr(_tls, "stack", None)
-    if stack is None:
-        stack = _tls.stack = [_BOTTOM]
-    return stack
+class _ThreadContext(threading.local):
+    """This thread's context stack; ``serving`` mirrors the top entry's, for the hot path
+    (every parameter access in a forward pass asks for it)."""
+
+    def __init__(self):
+        self.stack = [_BOTTOM]
+        self.serving = None
+
+
+_tls = _ThreadContext()
 
 
 def current_entry() -> _Entry:
     """The innermost context entry of this thread."""
-    stack = getattr(_tls, "stack", None)
-    return stack[-1] if stack else _BOTTOM
+    return _tls.stack[-1]
 
 
 def push(entry: _Entry) -> None:
-    _stack().append(entry)
-    _tls.serving = entry.serving
+    tls = _tls
+    tls.stack.append(entry)
+    tls.serving = entry.serving
 
 
 def pop(entry: _Entry) -> None:
-    stack = _stack()
+    tls = _tls
+    stack = tls.stack
     if stack[-1] is not entry:  # pragma: no cover - guards misuse of the internals
         raise RuntimeError("csrun context stack corrupted: scopes exited out of order")
     stack.pop()
-    _tls.serving = stack[-1].serving
+    tls.serving = stack[-1].serving
 
 
 def current_serving():
     """The parameter view of the replica running on this thread, or None (hot path)."""
-    return getattr(_tls, "serving", None)
+    return _tls.serving
 
 
 def get_strategy() -> "Strategy":

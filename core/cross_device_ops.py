@@ -37,12 +37,14 @@ def _check_tensors(kind: str, leaves: list) -> None:
 class Collectives:
     """The collectives of one run, bound to its rendezvous and the strategy's devices."""
 
-    def __init__(self, run, strategy, streams: list | None = None):
+    __slots__ = ("_run", "_strategy", "_devices", "_reduce_device", "_streams")
+
+    def __init__(self, run, strategy, devices: list, reduce_device: torch.device,
+                 streams: list | None = None):
         self._run = run
         self._strategy = strategy
-        extended = strategy.extended
-        self._reduce_device = extended._parameter.torch_device
-        self._devices = [d.torch_device for d in extended._compute]
+        self._devices = devices  # each replica's torch device (the strategy's own list)
+        self._reduce_device = reduce_device
         self._streams = streams  # the replicas' CUDA streams, None without GPU replicas
 
     def _settle(self) -> None:

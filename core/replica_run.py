@@ -43,6 +43,8 @@ class ReplicaAborted(BaseException):
 class _ThreadState:
     """Per-thread torch settings of the caller, re-applied on worker threads."""
 
+    __slots__ = ("grad_enabled", "inference", "autocast")
+
     def __init__(self):
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
@@ -115,6 +117,20 @@ class ReplicaRun:
       executor: where worker threads come from.
     """
 
+    # Rendezvous state starts as these class-level defaults and becomes the run's own only
+    # when it changes: most runs never leave the calling thread, and an empty step's cost
+    # is mostly this bookkeeping.
+    error: tuple[int | None, BaseException] | None = None
+    threaded = False
+    turn = 0          # ordered mode: the replica allowed to run
+    round = 0         # ordered mode: completed rendezvous rounds
+    generation = 0    # concurrent mode: completed barriers
+    arrivals: dict[int, tuple] | None = None  # made by the first rendezvous
+    sync_results: dict[int, Any] | None = None
+    merging: int | None = None  # the thread running a merge, if any
+    servings: list = []   # each replica's parameter view (set by the strategy, not mutated)
+    collectives = None    # the run's Collectives (set by the strategy)
+
     def __init__(self, num_replicas: int, concurrent: bool, body: Callable[[int], Any],
                  executor: "ReplicaExecutor", threads: list | None = None):
         self.num_replicas = num_replicas
@@ -126,14 +142,6 @@ class ReplicaRun:
         self.results: list = [None] * num_replicas
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
-        self.error: tuple[int | None, BaseException] | None = None
-        self.threaded = False
-        self.turn = 0          # ordered mode: the replica allowed to run
-        self.round = 0         # ordered mode: completed rendezvous rounds
-        self.generation = 0    # concurrent mode: completed barriers
-        self.arrivals: dict[int, tuple] = {}
-        self.sync_results: dict[int, Any] = {}
-        self.merging: int | None = None  # the thread running a merge, if any
         # Captured now: a replica may reach a rendezvous inside no_grad, and the workers
         # started then must still see the caller's settings of when run began.
         self.thread_state = _ThreadState()
@@ -143,14 +151,21 @@ class ReplicaRun:
     def execute(self) -> list:
         """Run every replica; return their outputs in replica order or raise the first
         error (with the replica id and device noted on it by the caller's body)."""
-        if self.concurrent:
-            self._start_workers(range(1, self.num_replicas))
-            self._run_replica(0)
-        else:
-            for replica_id in range(self.num_replicas):
-                if self.threaded or self.error is not None:
-                    break
-                self._run_replica(replica_id)
+        # Replicas on this thread set its intra-op threads only where they differ, and the
+        # caller's count comes back once at the end (not after each replica).
+        caller_threads = torch.get_num_threads() if self.threads else None
+        try:
+            if self.concurrent:
+                self._start_workers(range(1, self.num_replicas))
+                self._run_replica(0, caller_threads)
+            else:
+                for replica_id in range(self.num_replicas):
+                    if self.threaded or self.error is not None:
+                        break
+                    self._run_replica(replica_id, caller_threads)
+        finally:
+            if caller_threads is not None and torch.get_num_threads() != caller_threads:
+                torch.set_num_threads(caller_threads)
         if self.threaded:
             with self.cond:
                 self.cond.wait_for(lambda: all(s in _FINAL for s in self.status))
@@ -164,7 +179,11 @@ class ReplicaRun:
         for replica_id in replica_ids:
             self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))
 
-    def _run_replica(self, replica_id: int) -> None:
+    def _run_replica(self, replica_id: int, caller_threads: int | None = None) -> None:
+        """Run one replica; ``caller_threads`` is given on the caller's thread only.
+
+        A worker thread keeps the intra-op threads it was given: it serves one replica, so
+        the next run asks it for the same count again."""
         on_worker = threading.get_ident() != self.main_thread
         if on_worker and not self.concurrent:
             with self.cond:
@@ -173,12 +192,12 @@ class ReplicaRun:
             self._set_final(replica_id, "skipped")
             return
         self.status[replica_id] = "running"
-        threads = self.threads[replica_id] if self.threads else None
-        previous = torch.get_num_threads() if threads else None
+        if self.threads:
+            threads = self.threads[replica_id] or caller_threads
+            if threads and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         begin = time.perf_counter()
         try:
-            if threads:
-                torch.set_num_threads(threads)
             if on_worker:
                 output = self.thread_state.apply(lambda: self.body(replica_id))
             else:
@@ -190,10 +209,10 @@ class ReplicaRun:
             self._fail(replica_id, exc)
         else:
             self.results[replica_id] = output
-            self._set_final(replica_id, "done")
-        finally:
-            if previous is not None:
-                torch.set_num_threads(previous)
+            if self.threaded:
+                self._set_final(replica_id, "done")
+            else:  # inline: nobody else to tell (the common case, kept short)
+                self.status[replica_id] = "done"
 
     def _set_final(self, replica_id: int, status: str) -> None:
         if not self.threaded:  # inline: nobody else to tell
@@ -252,6 +271,8 @@ class ReplicaRun:
         with self.cond:
             if self.error is not None:
                 raise ReplicaAborted()
+            if self.arrivals is None:
+                self.arrivals = {}
             self.arrivals[replica_id] = (kind, payload, merge)
             if self.num_replicas == 1:
                 self._merge()
@@ -321,8 +342,9 @@ class ReplicaRun:
 
     def _mismatch(self) -> None:
         done = [r for r, s in enumerate(self.status) if s == "done"]
-        waiting = {r: self.arrivals[r][0] for r, s in enumerate(self.status)
-                   if s == "waiting" and r in self.arrivals}
+        arrivals = self.arrivals or {}
+        waiting = {r: arrivals[r][0] for r, s in enumerate(self.status)
+                   if s == "waiting" and r in arrivals}
         listed = ", ".join(f"replica {r} waits in {k}" for r, k in sorted(waiting.items()))
         self._abort(RuntimeError(
             f"replica(s) {done} returned while {listed}; every replica must make the same "

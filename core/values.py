@@ -179,6 +179,8 @@ def unstack(value: Any, count: int) -> list:
         if flat:
             if not distributed:
                 return [value] * count
+            if len(value) == 1:  # run(fn, args=(batch,)): one distributed argument
+                return [(v,) for v in value[0]._values]
             return [tuple([v._values[r] if isinstance(v, DistributedValues) else v
                            for v in value]) for r in range(count)]
     columns = _unstack(value, count)
@@ -212,15 +214,13 @@ def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
     first = per_replica[0]
     if len(per_replica) == 1:
         return first
-    if not isinstance(first, (tuple, list, dict)):  # a leaf: the common case
-        if collapse_identical and all(v is first for v in per_replica):
-            return first
-        if any(isinstance(v, (tuple, list, dict)) for v in per_replica):
-            raise _structure_error(next(i for i, v in enumerate(per_replica)
-                                        if isinstance(v, (tuple, list, dict))),
-                                   first, next(v for v in per_replica
-                                               if isinstance(v, (tuple, list, dict))))
-        return wrap(per_replica)
+    if not isinstance(first, (tuple, list, dict)):  # a leaf: the common case, kept lean
+        same = collapse_identical
+        for i, v in enumerate(per_replica):
+            if isinstance(v, (tuple, list, dict)):
+                raise _structure_error(i, first, v)
+            same = same and v is first
+        return first if same else wrap(per_replica)
     if isinstance(first, dict):
         for i, other in enumerate(per_replica[1:], 1):
             if not isinstance(other, dict) or other.keys() != first.keys():

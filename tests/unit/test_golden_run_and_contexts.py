@@ -255,6 +255,17 @@ def test_two_strategies_scope_nesting(golden, strategy):
             assert cs.get_strategy() is s1
 
 
+def test_run_inside_another_strategys_scope_is_mixing(strategy):
+    # TF's run enters its strategy's scope, so it raises the same error; ours only checks
+    s1, s2 = strategy(2), strategy(2)
+    with s1.scope():
+        with pytest.raises(RuntimeError, match="(?i)mixing different"):
+            s2.run(_rid)
+        assert list(s1.experimental_local_results(s1.run(_rid))) == [0, 1]
+        assert cs.get_strategy() is s1
+    assert list(s2.experimental_local_results(s2.run(_rid))) == [0, 1]
+
+
 def test_run_args_must_match_replica_count(strategy):
     s2, s3 = strategy(2), strategy(3)
     pr = s3.experimental_distribute_values_from_function(lambda ctx: torch.tensor(1.0))
