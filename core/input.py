@@ -6,7 +6,8 @@ batch of ``n`` examples is split as TF splits it: ``ceil(n / R)`` consecutive ex
 replica in replica order, so trailing replicas can be empty (size 0 along the batch
 dimension, right trailing shape). A background thread reads ahead and copies each
 component onto its replica's device (from pinned memory, non-blocking, for GPUs) into a
-bounded buffer.
+bounded buffer; a list or tuple of batches for CPU replicas is split on the consumer's
+thread instead, as it needs no reading ahead.
 
 ``distribute_datasets_from_function`` calls ``dataset_fn(InputContext)`` and deals whole
 *per-replica* batches to the replicas in turn; an incomplete last round is dropped, as TF
@@ -266,6 +267,32 @@ class _Prefetcher:
             self.thread.join(timeout=5)
 
 
+class _Inline:
+    """:class:`_Prefetcher`'s interface without the thread: each step is produced when the
+    consumer asks. For batches already in memory that stay on the CPU, producing a step
+    is a few slices, so a thread would add only its hand-offs (~2% of a 9 ms step,
+    docs/performance.md)."""
+
+    def __init__(self, source: Iterator, produce: Callable[[Iterator], Any]):
+        self._source, self._produce = source, produce
+
+    def get(self) -> Any:
+        if self._source is None:
+            return _END
+        try:
+            return self._produce(self._source)
+        except StopIteration as stop:
+            self._source = None
+            warning = getattr(stop, "warning", None)
+            return _Warning(warning) if warning else _END
+        except BaseException as exc:  # noqa: BLE001 - raised by the consumer, as threaded
+            self._source = None
+            return _Failure(exc)
+
+    def close(self) -> None:
+        self._source = None
+
+
 class Feeder:
     """Moves each replica's share of a step onto its device; regroups it for the consumer.
 
@@ -277,6 +304,11 @@ class Feeder:
         self._fetch = fetch_to_device
         self._streams = streams  # the replicas' CUDA streams (None: no GPU replica)
         self._copy_streams = {}
+
+    @property
+    def copies(self) -> bool:
+        """Whether placing a step copies anything (to a GPU)."""
+        return self._fetch and any(d.type == "cuda" for d in self._devices)
 
     def place(self, per_replica: list) -> tuple[list, list]:
         if not self._fetch:
@@ -333,11 +365,12 @@ class DistributedIterator:
     """Iterates a distributed dataset: one PerReplica nest (plain with 1 replica) per step."""
 
     def __init__(self, source: Iterator, produce: Callable[[Iterator], Any], buffer_size: int,
-                 finish: Callable[[Any], Any]):
-        self._prefetcher = _Prefetcher(source, produce, buffer_size)
+                 finish: Callable[[Any], Any], prefetch: bool = True):
+        self._prefetcher = (_Prefetcher(source, produce, buffer_size) if prefetch
+                            else _Inline(source, produce))
         self._finish = finish
         self._done = False
-        weakref.finalize(self, _Prefetcher.close, self._prefetcher)
+        weakref.finalize(self, self._prefetcher.close)
 
     def __iter__(self) -> "DistributedIterator":
         return self
@@ -402,7 +435,11 @@ class _DistributedBase:
         feeder = self._strategy.extended._input_feeder(self._options)
         return DistributedIterator(self._source_iterator(), self._producer(feeder),
                                    self._options.experimental_per_replica_buffer_size,
-                                   feeder.finish)
+                                   feeder.finish, not self._in_memory() or feeder.copies)
+
+    def _in_memory(self) -> bool:
+        """True when every step is already in memory (reading ahead gains nothing)."""
+        return False
 
     @property
     def element_spec(self) -> Any:
@@ -456,6 +493,9 @@ class DistributedDataset(_DistributedBase):
 
     def _source_iterator(self) -> Iterator:
         return iter(self._dataset)
+
+    def _in_memory(self) -> bool:
+        return isinstance(self._dataset, (list, tuple))
 
     def _producer(self, feeder) -> Callable[[Iterator], Any]:
         total, first, count = self._total_replicas, self._offset, self._num_replicas

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import warnings
 
 import numpy as np
@@ -326,6 +327,47 @@ def test_dist_ds_no_warning_for_ordinary_iteration(strategy):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(list(s.experimental_distribute_dataset(_batches(10, 4)))) == 3
+
+
+def _record_split_threads(monkeypatch) -> list:
+    import csrun.core.input as input_module
+    threads, split = [], input_module.split_batch
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return split(*args, **kwargs)
+    monkeypatch.setattr(input_module, "split_batch", recording)
+    return threads
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_in_memory_batches_for_cpu_replicas_are_split_on_the_consumers_thread(
+        kind, strategy, monkeypatch):
+    # no reading ahead for batches already in memory (docs/performance.md): the same
+    # steps as the prefetch thread gives an iterator of the same batches
+    threads = _record_split_threads(monkeypatch)
+    s = strategy(3)
+    batches = kind(_batches(10, 4))
+    assert _steps(s, s.experimental_distribute_dataset(batches)) == \
+        [[[0, 1], [2, 3], []], [[4, 5], [6, 7], []], [[8], [9], []]]
+    assert threads and all(t is threading.current_thread() for t in threads)
+    threads.clear()
+    assert _steps(s, s.experimental_distribute_dataset(iter(batches))) == \
+        _steps(s, s.experimental_distribute_dataset(batches))
+    assert any(t.name == "csrun-prefetch" for t in threads)
+
+
+def test_in_memory_batches_fail_like_prefetched_ones(strategy):
+    s = strategy(2)
+    bad = [torch.arange(4), "not a batch", torch.arange(4)]
+    for source in (bad, iter(bad)):
+        iterator = iter(s.experimental_distribute_dataset(source))
+        next(iterator)
+        with pytest.raises(TypeError) as info:
+            next(iterator)
+        assert "str" in str(info.value)
+        with pytest.raises(StopIteration):  # the iterator is spent after a failure
+            next(iterator)
 
 
 @pytest.mark.gpu
