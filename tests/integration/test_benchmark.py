@@ -24,4 +24,6 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert mlp["plain"]["ratio_vs_plain"] == 1.0
     assert all(v["examples_per_s"] > 0 for v in mlp.values())
     assert set(result["engine_overhead_us"]) == {"R1", "R2"}
+    assert all(0 < result["engine_overhead_best_us"][k] <= v
+               for k, v in result["engine_overhead_us"].items())
     assert result["input_path_R2"]["csrun"]["examples_per_s"] > 0
