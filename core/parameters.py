@@ -161,6 +161,10 @@ class ParameterStore:
         self._lock = threading.Lock()
         self.torch_devices = [d.torch_device for d in self.compute_devices]
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
+        # One replica on the parameter device is served the central tensors themselves:
+        # its gradients accumulate straight into .grad, as in a plain loop, with no leaf
+        # to keep in step and nothing to hand over (docs/performance.md).
+        self.direct = self.copies == [False]
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
         self._pending: list[ReplicaServing] = []
@@ -317,14 +321,15 @@ class ParameterStore:
 class ReplicaServing:
     """What one replica of one run has been served, and what it wrote."""
 
-    __slots__ = ("store", "replica_id", "device", "copies", "params", "buffers", "_mirror",
-                 "_stale")
+    __slots__ = ("store", "replica_id", "device", "copies", "direct", "params", "buffers",
+                 "_mirror", "_stale")
 
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
         self.replica_id = replica_id
         self.device = store.torch_devices[replica_id]
         self.copies = store.copies[replica_id]
+        self.direct = store.direct
         # id(central) -> (central, leaf) served this run (ids: a tensor's hash is Python)
         self.params: dict = {}
         # (id of owner dict, name) -> [copy, version at serve, assigned, owner dict]
@@ -334,6 +339,10 @@ class ReplicaServing:
 
     def serve(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
         if owner._kind == "parameter":
+            if self.direct:  # nothing to track: only the device can be wrong
+                if value.device != self.device:
+                    self.store.check_device(value, owner, name)
+                return value
             served = self.params.get(id(value))
             if served is None:
                 self.store.check_device(value, owner, name)
@@ -374,6 +383,8 @@ class ReplicaServing:
             except KeyError:  # registered after this run's first copy
                 self._refresh_copies()
                 leaf = self._mirror.leaf(central)
+        elif self.direct:
+            leaf = central
         else:
             leaf = self.store.alias(self.replica_id, central)
             leaf.grad = None
@@ -420,6 +431,8 @@ class ReplicaServing:
         if self.copies:
             with torch.no_grad():  # grads made with create_graph=True must not be traced
                 return self._mirror.start_grads(self.params)
+        if self.direct:  # already in the central .grad
+            return []
         pairs = []
         for central, leaf in self.params.values():
             if leaf.grad is not None:
@@ -435,6 +448,10 @@ class ReplicaServing:
         return [c for c, _ in transfers], [g for _, g in transfers]
 
     def clear_grads(self) -> None:
+        """Drop a failed run's gradients. A direct replica's are already in the central
+        .grad, mixed with any accumulated before: they stay, as in a plain loop."""
+        if self.direct:
+            return
         for _, leaf in self.params.values():
             leaf.grad = None
 

@@ -170,6 +170,24 @@ def test_freezing_a_parameter_between_runs_stops_its_gradient(replicas, copy):
     assert weight_grad.tolist() == [[2.0 * replicas] * 3]
 
 
+def test_one_replica_on_the_parameter_device_uses_the_central_parameters_directly():
+    # nothing to alias or hand over: gradients accumulate straight into .grad, so a run
+    # that fails after backward leaves them there, as a plain PyTorch loop would
+    strategy = _strategy(1)
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1, bias=False)
+    central = layer.weight
+    assert strategy.run(lambda: layer.weight) is central
+
+    def fails_after_backward():
+        layer(torch.ones(1, 2)).sum().backward()
+        raise ValueError("after backward")
+    strategy.run(lambda: layer(torch.ones(1, 2)).sum().backward())
+    with pytest.raises(ValueError):
+        strategy.run(fails_after_backward)
+    assert central.grad.tolist() == [[2.0, 2.0]]
+
+
 def test_replacing_parameter_data_between_runs_is_seen_by_replicas():
     strategy = _strategy(2)
     with strategy.scope():
@@ -210,8 +228,9 @@ def test_optimizer_step_inside_merge_call_is_seen_by_copy_replicas():
     assert layer.weight.item() == -1.0
 
 
-def test_model_moved_after_scope_is_refused_clearly():
-    strategy = _strategy(2)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_model_moved_after_scope_is_refused_clearly(replicas):
+    strategy = _strategy(replicas)
     with strategy.scope():
         layer = torch.nn.Linear(2, 1)
     layer.to(torch.float64)  # same device: allowed, copies follow
