@@ -1,9 +1,9 @@
 """csrun against plain PyTorch, measured side by side in one process.
 
 Every round runs each variant for ``--steps`` training steps in turn (plain, csrun with 1,
-2 and 4 logical CPU replicas, ...), so drift of the machine hits all variants alike; the
-report gives the median examples/s of each variant and the median over rounds of the
-paired ratio csrun / plain of the same round.
+2 and 4 logical CPU replicas, ...; each round starts with the next variant), so drift of
+the machine hits all variants alike; the report gives the median examples/s of each
+variant and the median over rounds of the paired ratio csrun / plain of the same round.
 
     python benchmarks/throughput.py                 # full run, table + JSON + PNG
     python benchmarks/throughput.py --quick         # a smoke run (CI uses it)
@@ -40,13 +40,19 @@ import csrun.core as cs  # noqa: E402
 MODELS = {
     "mlp": dict(shape=(784,), classes=10, batch=256),
     "convnet": dict(shape=(1, 28, 28), classes=10, batch=128),
+    # Not run by default: 162 small parameters, where per-parameter costs show
+    "deep": dict(shape=(64,), classes=10, batch=128),
 }
+DEFAULT_MODELS = ["mlp", "convnet"]
 
 
 def build(name: str) -> nn.Module:
     if name == "mlp":  # 784-512-512-10: about 4 MFLOP per example for forward+backward
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                              nn.Linear(512, 10))
+    if name == "deep":  # 40 x (Linear 64-64, LayerNorm, ReLU) + a head: 162 parameters
+        blocks = [m for _ in range(40) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU())]
+        return nn.Sequential(*blocks, nn.Linear(64, 10))
     return nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3),
                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 5 * 5, 10))
 
@@ -115,9 +121,12 @@ def interleaved(variants: dict, examples: int, rounds: int) -> dict:
     for fn in variants.values():  # warm-up: allocator, threads, kernels
         fn()
     rates: dict = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            rates[name].append(examples / timed(fn))
+    names = list(variants)
+    for r in range(rounds):
+        # each round starts one variant later: a fixed order gave identical loops a 3%
+        # difference by position alone (plain vs a second plain, 31 rounds)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rates[name].append(examples / timed(variants[name]))
     base = rates["plain"]
     out = {}
     for name, values in rates.items():
@@ -263,7 +272,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10, help="training steps per round")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/performance.png"))
