@@ -139,6 +139,10 @@ class Collectives:
             entry = context._Entry(strategy)
             context.push(entry)
             self._settle()
+            # The replicas' gradients so far, summed into .grad: merge_fn may step the
+            # optimizer (TF's apply_gradients in merge_call), and with one replica on the
+            # parameter device they are there already
+            strategy.extended._store.collect(self._run.servings)
             try:
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
             finally:

@@ -37,6 +37,9 @@ class RemoteParameterStore(ParameterStore):
     def __init__(self, parameter_device, compute_devices, copy_parameters,
                  client: ParameterServerClient, variable_placement: str):
         super().__init__(parameter_device, compute_devices, copy_parameters)
+        # Leaves of its own even for one replica: a failed run's gradients must never
+        # reach the parameter servers, which other workers share
+        self.direct = False
         self.client = client
         self.variable_placement = variable_placement
         self._ids: dict = {}          # central tensor -> variable id (creation order)

@@ -242,12 +242,17 @@ class ParameterStore:
         self._pending = []
 
     def flush_pending(self) -> None:
-        """Add gradients that replicas' leaves received since the last flush.
+        """Add gradients that the last run's leaves received since the last flush."""
+        self.collect(self._pending)
+
+    def collect(self, servings: list["ReplicaServing"]) -> None:
+        """Add the gradients ``servings``' leaves received since last collected into the
+        central ``.grad`` (after a run, and when its replicas meet in ``merge_call``).
 
         Every replica's transfer starts before any is waited for (so copies from several
         devices overlap); they are added in replica order, so the sum is deterministic.
         """
-        pending = [s for s in self._pending if s.params]
+        pending = [s for s in servings if s.params]
         if not pending:
             return
         started = [serving.start_grads() for serving in pending]

@@ -207,8 +207,12 @@ def test_optimizer_step_inside_a_replica_is_refused_with_advice():
         strategy.run(lambda: opt.step())
 
 
-def test_optimizer_step_inside_merge_call_is_seen_by_copy_replicas():
-    strategy = _strategy(2, copy_parameters=True)
+@pytest.mark.parametrize("replicas,copy", [(1, False), (2, False), (2, True)])
+def test_optimizer_step_inside_merge_call_applies_this_runs_gradients(replicas, copy):
+    # TF's apply_gradients in merge_call: the replicas' gradients so far are summed into
+    # .grad when they meet, the same with one replica (served the central parameters) as
+    # with several; each replica then reads the updated value, and nothing is added twice
+    strategy = _strategy(replicas, copy_parameters=copy)
     with strategy.scope():
         layer = torch.nn.Linear(1, 1, bias=False)
         opt = torch.optim.SGD(layer.parameters(), lr=1.0)
@@ -220,12 +224,11 @@ def test_optimizer_step_inside_merge_call_is_seen_by_copy_replicas():
         layer.weight.sum().backward()
         cs.get_replica_context().merge_call(lambda s: opt.step())
         return before, layer.weight.item()
-    # Gradients are summed when run returns, so inside merge_call the step sees no gradient
-    # yet; what matters here is that every replica re-reads the central value after it.
     results = strategy.experimental_local_results(strategy.run(fn))
-    assert results == ((1.0, 1.0), (1.0, 1.0))
-    opt.step()
-    assert layer.weight.item() == -1.0
+    assert results == ((1.0, 1.0 - replicas),) * replicas
+    assert layer.weight.grad.item() == replicas
+    opt.step()  # the same gradient again: nothing new arrived after merge_call
+    assert layer.weight.item() == 1.0 - 2 * replicas
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
