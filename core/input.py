@@ -155,8 +155,8 @@ class PerReplicaSpec(tuple):
 def _leaf_tensor(leaf: Any) -> torch.Tensor:
     if isinstance(leaf, torch.Tensor):
         return leaf
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        return torch.as_tensor(leaf)
+    if isinstance(leaf, (np.ndarray, np.generic)):  # host data, whatever the default device
+        return torch.as_tensor(leaf, device="cpu")
     raise TypeError(
         f"a batch must hold tensors (or numpy arrays), got a {type(leaf).__name__} leaf "
         f"({leaf!r:.60}); convert it in the dataset or collate function")
@@ -280,13 +280,16 @@ class _Inline:
         if self._source is None:
             return _END
         try:
-            return self._produce(self._source)
+            # made as on the prefetch thread: never as inference tensors of the caller's
+            # inference_mode, which training could not use
+            with torch.inference_mode(False):
+                return self._produce(self._source)
         except StopIteration as stop:
             self._source = None
             warning = getattr(stop, "warning", None)
             return _Warning(warning) if warning else _END
-        except BaseException as exc:  # noqa: BLE001 - raised by the consumer, as threaded
-            self._source = None
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer, as threaded
+            self._source = None  # (a Ctrl-C propagates and leaves the iterator usable)
             return _Failure(exc)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ def current_device() -> torch.device:
 
 def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     # `device.type` costs ~2 µs: the usual CPU destination is recognised by identity
-    if device is None or ((device is _CPU or device == _CPU) and tensor.is_cpu):
+    if device is None or ((device is _CPU or device.type == "cpu") and tensor.is_cpu):
         return tensor
     return tensor.to(device)
 

@@ -370,6 +370,42 @@ def test_in_memory_batches_fail_like_prefetched_ones(strategy):
             next(iterator)
 
 
+@pytest.mark.parametrize("source", [list, iter])
+def test_batches_do_not_take_the_consumers_default_device_or_inference_mode(source, strategy):
+    # in-memory batches are built on the consumer's thread: as on the prefetch thread,
+    # numpy batches become CPU tensors a training step can use
+    s = strategy(2)
+    batches = source([np.arange(4, dtype=np.float32)])
+    with torch.inference_mode():
+        with torch.device("meta"):
+            (step,) = list(s.experimental_distribute_dataset(batches))
+    parts = s.experimental_local_results(step)
+    assert [p.device.type for p in parts] == ["cpu", "cpu"]
+    assert not any(p.is_inference() for p in parts)
+    weight = torch.ones(2, requires_grad=True)
+    (weight * parts[0]).sum().backward()  # an inference tensor could not be saved for this
+    assert weight.grad.tolist() == [0.0, 1.0]
+
+
+def test_ctrl_c_while_a_step_is_built_leaves_the_iterator_usable(strategy, monkeypatch):
+    import csrun.core.input as input_module
+    s = strategy(2)
+    iterator = iter(s.experimental_distribute_dataset(_batches(8, 4)))
+    split, calls = input_module.split_batch, []
+
+    def interrupted_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return split(*args)
+    monkeypatch.setattr(input_module, "split_batch", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)
+    # the interrupted step's batch was taken from the list already; the rest still comes
+    assert [[t.tolist() for t in s.experimental_local_results(x)] for x in iterator] == \
+        [[[4, 5], [6, 7]]]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dist_ds_fetch_to_device_with_a_gpu_replica():
