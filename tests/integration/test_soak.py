@@ -28,9 +28,12 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
                                     torch.nn.ReLU(), torch.nn.Linear(32, 4))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
-               for _ in range(50)]
-    dist = strategy.experimental_distribute_dataset(batches)
+    # a DataLoader, not a list: lists for CPU replicas are split without a reader thread,
+    # and the soak must see one start and end with every pass
+    data = torch.utils.data.TensorDataset(torch.randn(50 * 32, 16, generator=g),
+                                          torch.randint(0, 4, (50 * 32,), generator=g))
+    dist = strategy.experimental_distribute_dataset(
+        torch.utils.data.DataLoader(data, batch_size=32))
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y, reduction="sum") / 32
