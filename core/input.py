@@ -270,8 +270,8 @@ class _Prefetcher:
 class _Inline:
     """:class:`_Prefetcher`'s interface without the thread: each step is produced when the
     consumer asks. For batches already in memory that stay on the CPU, producing a step
-    is a few slices, so a thread would add only its hand-offs (~2% of a 9 ms step,
-    docs/performance.md)."""
+    is a few slices, so a thread would add only its hand-offs (measured once at 2-3% of
+    a 9 ms step; docs/performance.md)."""
 
     def __init__(self, source: Iterator, produce: Callable[[Iterator], Any]):
         self._source, self._produce = source, produce
