@@ -354,6 +354,31 @@ def _from_json(settings: dict) -> dict:
 
 
 # -- the worker's side ------------------------------------------------------------------
+class _JobStore:
+    """The job's TCPStore as a worker uses it for bookkeeping (steps, joins, who is lost).
+
+    ps:0 hosts it, so when ps:0 dies every call fails with a transport error wherever the
+    worker happens to be (counting a step, say); each becomes the same clear
+    ParameterServerError as a dead ps's channel gives. Channels use ``raw``: their
+    errors name the ps they talk to."""
+
+    def __init__(self, raw: dist.TCPStore, address: str, task: str):
+        self.raw, self._address, self._task = raw, address, task
+
+    def __getattr__(self, name: str):
+        method = getattr(self.raw, name)
+
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except RuntimeError as exc:
+                raise ParameterServerError(
+                    f"parameter server ps:0 ({self._address}), which holds the job's store, "
+                    f"stopped answering {self._task}: {_transport_error(exc)}; the job cannot "
+                    "go on without it") from None
+        return call
+
+
 class ParameterServerClient:
     """A worker's connection to every ps task."""
 
@@ -361,7 +386,8 @@ class ParameterServerClient:
         self._resolver = resolver
         self.task = f"{resolver.task_type}:{resolver.task_id}"
         self.num_ps = resolver.cluster_spec().num_tasks("ps")
-        self._store = _store(resolver, False, timeout)
+        self._store = _JobStore(_store(resolver, False, timeout),
+                                resolver.cluster_spec().task_address("ps", 0), self.task)
         self._timeout = timeout
         self._channels: list[_Channel] = []
         self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
@@ -380,7 +406,7 @@ class ParameterServerClient:
             slot = self._store.add(f"ps/{k}/joins", 1)
             self._store.set(f"ps/{k}/join/{slot}", name)
         timeout = datetime.timedelta(seconds=self._timeout)
-        self._channels = [_Channel(self._store, f"chan/{k}/{name}", 1, timeout)
+        self._channels = [_Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout)
                           for k in range(self.num_ps)]
 
     def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -207,3 +207,38 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
     with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
         client.wait_initialized(20)
     assert time.monotonic() - begin < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error(tmp_path):
+    # ps:0 hosts the job's store: when it dies while a worker counts a step (not only
+    # while it talks to a ps), the worker must still say which ps and that it cannot go on
+    import datetime
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from csrun.core.launch import free_ports
+    from csrun.core.parameter_server import ParameterServerClient, ParameterServerError, _JobStore
+
+    (port,) = free_ports(1)
+    host = subprocess.Popen(
+        [sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+         f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); "
+         "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
+        client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
+        client._store = _JobStore(raw, f"127.0.0.1:{port}", "worker:1")
+        assert client.count_step() == 1
+        host.kill()
+        host.wait()
+        with pytest.raises(ParameterServerError) as info:
+            for _ in range(50):  # the first call after the kill may still be answered
+                client.count_step()
+        message = str(info.value)
+        assert "ps:0" in message and "worker:1" in message and "cannot go on" in message
+    finally:
+        host.kill()
