@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from soak_checks import STEPS, WARMUP, check_flat, sample
+from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 import csrun.core as cs
 
@@ -40,7 +40,7 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
         loss.backward()
         return loss.detach()
 
-    times, samples = [], {}
+    times, samples, reference = [], {}, Reference()
     done = 0
     while done < STEPS:
         for x, y in dist:
@@ -49,6 +49,7 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
             loss = strategy.reduce("SUM", strategy.run(step, args=(x, y)))
             optimizer.step()
             times.append(time.perf_counter() - start)
+            reference.step()
             done += 1
             assert torch.isfinite(loss)
             if done in (WARMUP, STEPS):
@@ -58,4 +59,4 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
         time.sleep(0)  # let the finished pass's reader thread exit
     gc.collect()
     time.sleep(0.5)
-    check_flat("soak", samples, times)
+    check_flat("soak", samples, times, reference.times)
