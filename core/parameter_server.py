@@ -372,11 +372,14 @@ class _JobStore:
             try:
                 return method(*args, **kwargs)
             except RuntimeError as exc:
-                raise ParameterServerError(
-                    f"parameter server ps:0 ({self._address}), which holds the job's store, "
-                    f"stopped answering {self._task}: {_transport_error(exc)}; the job cannot "
-                    "go on without it") from None
+                raise _stopped_answering(f"ps:0 ({self._address}), which holds the job's "
+                                         "store,", self._task, exc) from None
         return call
+
+
+def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServerError:
+    return ParameterServerError(f"parameter server {ps} stopped answering {task}: "
+                                f"{_transport_error(exc)}; the job cannot go on without it")
 
 
 class ParameterServerClient:
@@ -415,9 +418,7 @@ class ParameterServerClient:
             answer, reply = self._channels[k].recv()
         except RuntimeError as exc:
             address = self._resolver.cluster_spec().task_address("ps", k)
-            raise ParameterServerError(
-                f"parameter server ps:{k} ({address}) stopped answering {self.task}: "
-                f"{_transport_error(exc)}; the job cannot go on without it") from None
+            raise _stopped_answering(f"ps:{k} ({address})", self.task, exc) from None
         if answer == _ABORTED:
             raise ParameterServerError(f"the chief ended the job: {_decode(reply[0])}")
         return reply
