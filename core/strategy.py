@@ -380,7 +380,7 @@ class ParameterServerStrategyExtended:
     @property
     def torch_devices(self) -> list[torch.device]:
         """The :class:`torch.device` of each replica (logical CPUs all map to ``cpu``)."""
-        return [d.torch_device for d in self._compute]
+        return list(self._store.torch_devices)
 
     @property
     def parameter_device(self) -> LogicalDevice:

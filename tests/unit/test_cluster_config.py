@@ -210,7 +210,7 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error(tmp_path):
+def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     # ps:0 hosts the job's store: when it dies while a worker counts a step (not only
     # while it talks to a ps), the worker must still say which ps and that it cannot go on
     import datetime
@@ -224,7 +224,7 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error(tmp_path):
 
     (port,) = free_ports(1)
     host = subprocess.Popen(
-        [sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+        [sys.executable, "-c", "import time, torch.distributed as d; "
          f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); "
          "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:

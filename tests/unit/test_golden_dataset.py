@@ -329,14 +329,20 @@ def test_dist_ds_no_warning_for_ordinary_iteration(strategy):
         assert len(list(s.experimental_distribute_dataset(_batches(10, 4)))) == 3
 
 
-def _record_split_threads(monkeypatch) -> list:
+def _before_each_split(monkeypatch, before) -> None:
+    """Call ``before()`` ahead of every split of a step (on the thread that splits)."""
     import csrun.core.input as input_module
-    threads, split = [], input_module.split_batch
+    split = input_module.split_batch
 
-    def recording(*args, **kwargs):
-        threads.append(threading.current_thread())
+    def wrapped(*args, **kwargs):
+        before()
         return split(*args, **kwargs)
-    monkeypatch.setattr(input_module, "split_batch", recording)
+    monkeypatch.setattr(input_module, "split_batch", wrapped)
+
+
+def _record_split_threads(monkeypatch) -> list:
+    threads: list = []
+    _before_each_split(monkeypatch, lambda: threads.append(threading.current_thread()))
     return threads
 
 
@@ -388,17 +394,15 @@ def test_batches_do_not_take_the_consumers_default_device_or_inference_mode(sour
 
 
 def test_ctrl_c_while_a_step_is_built_leaves_the_iterator_usable(strategy, monkeypatch):
-    import csrun.core.input as input_module
     s = strategy(2)
     iterator = iter(s.experimental_distribute_dataset(_batches(8, 4)))
-    split, calls = input_module.split_batch, []
+    calls: list = []
 
-    def interrupted_once(*args):
+    def interrupted_once():
         calls.append(1)
         if len(calls) == 1:
             raise KeyboardInterrupt
-        return split(*args)
-    monkeypatch.setattr(input_module, "split_batch", interrupted_once)
+    _before_each_split(monkeypatch, interrupted_once)
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
     # the interrupted step's batch was taken from the list already; the rest still comes
