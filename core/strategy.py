@@ -416,25 +416,28 @@ class ParameterServerStrategyExtended:
         policy = self._policy
         run = ReplicaRun(count, policy.concurrent, None, self._executor, policy.threads())
         run.servings = servings
-        streams = self._replica_streams()
-        run.collectives = Collectives(run, self._container, self._store.torch_devices,
-                                      self._parameter.torch_device, streams)
-        self._start_streams(streams)
+        run.make_collectives = self._collectives_for
+        streams = self._replica_streams() if self._has_gpu else None
+        if streams is not None:
+            self._start_streams(streams)
         run.body = self._replica_body(fn, run, replica_args, replica_kwargs, streams)
         snapshot = policy.before_run()
         try:
             outputs = run.execute()
-            self._join_streams(streams)
+            if streams is not None:
+                self._join_streams(streams)
             self._store.finish_run(servings)
         except BaseException:
             self._store.discard_run(servings)
             raise
         finally:
-            # body and collectives point back at the run: break the cycle now rather than
-            # leave ~30 objects a step for the garbage collector
-            run.body = run.collectives = None
+            run.release()
         policy.after_run(snapshot, run.durations)
         return regroup(outputs)
+
+    def _collectives_for(self, run: ReplicaRun) -> Collectives:
+        return Collectives(run, self._container, self._store.torch_devices,
+                           self._parameter.torch_device, self._streams)
 
     def _replica_body(self, fn: Callable, run: ReplicaRun, replica_args: list,
                       replica_kwargs: list | None, streams: list | None) -> Callable:

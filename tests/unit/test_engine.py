@@ -39,7 +39,7 @@ def test_rendezvous_lock_exists_before_any_worker_starts():
 
     class Executor:
         def submit(self, replica_id, task):
-            seen.append(run.cond._cond is not None)
+            seen.append(run._cond is not None)
             task()
 
     run = ReplicaRun(3, True, lambda r: r, Executor())
@@ -112,6 +112,23 @@ def test_workers_inherit_grad_mode_of_the_caller():
     with torch.no_grad():
         assert strategy.experimental_local_results(strategy.run(fn)) == ([0, False], [1, False])
     assert strategy.experimental_local_results(strategy.run(fn)) == ([0, True], [1, True])
+
+
+def test_workers_inherit_inference_mode_and_autocast_of_the_caller():
+    strategy = _strategy(2)
+
+    def fn():
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))  # forces worker threads
+        return [_rid(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None]
+    with torch.inference_mode():
+        assert strategy.experimental_local_results(strategy.run(fn)) == (
+            [0, True, False, None], [1, True, False, None])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert strategy.experimental_local_results(strategy.run(fn)) == (
+            [0, False, True, torch.bfloat16], [1, False, True, torch.bfloat16])
+    assert strategy.experimental_local_results(strategy.run(fn)) == (
+        [0, False, False, None], [1, False, False, None])
 
 
 def test_run_cannot_nest_and_reduce_needs_cross_replica_context():
@@ -472,6 +489,10 @@ def test_runs_leave_no_cyclic_garbage():
     try:
         for _ in range(50):
             strategy.reduce("SUM", strategy.run(lambda x: x * 2, args=(value,)))
+        assert gc.collect() == 0
+        # runs whose replicas meet (the collectives point back at the run)
+        for _ in range(20):
+            strategy.run(lambda x: cs.get_replica_context().all_reduce("SUM", x), args=(value,))
         assert gc.collect() == 0
     finally:
         gc.enable()
