@@ -113,7 +113,9 @@ def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
                   device: torch.device | None) -> torch.Tensor:
     """Reduce one value per replica into a tensor on ``device`` (None: leave in place)."""
-    tensors = [_to(as_tensor(v), device) for v in values]
+    # inlined for the usual case, CPU tensors reduced onto the CPU (a step's hot path)
+    tensors = [v if device is _CPU and type(v) is torch.Tensor and v.is_cpu
+               else _to(as_tensor(v), device) for v in values]
     if axis is None:
         shape = tensors[0].shape
         if not all([t.shape == shape for t in tensors[1:]]):  # a list: cheaper than a generator

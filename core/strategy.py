@@ -153,12 +153,14 @@ class Strategy:
             losses = strategy.run(step, args=(x, y))
             optimizer.step()
         """
-        cross_replica_required("run")
         if options is not None and not isinstance(options, RunOptions):
             raise TypeError(f"options must be a RunOptions, got {type(options).__name__}")
         # Only the scope's check: each replica pushes its own context, and nothing else
         # in run reads the caller's (entering the scope would cost ~5 µs a step).
-        _check_not_mixing(context.current_entry(), self)
+        entry = context.current_entry()
+        if entry.replica is not None:
+            cross_replica_required("run")
+        _check_not_mixing(entry, self)
         return self._extended.call_for_each_replica(fn, args, kwargs)
 
     def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
@@ -396,14 +398,15 @@ class ParameterServerStrategyExtended:
     def call_for_each_replica(self, fn: Callable, args: tuple = (),
                               kwargs: dict | None = None) -> Any:
         """Run ``fn`` on every replica (``Strategy.run`` without entering the scope)."""
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-        kwargs = kwargs or {}
-        if not self._run_lock.acquire(blocking=False):
+        if type(args) is not tuple:
+            if not isinstance(args, (tuple, list)):
+                raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+            args = tuple(args)
+        if not self._run_lock.acquire(False):
             raise RuntimeError("strategy.run cannot be nested: this strategy is already "
                                "running (e.g. run called inside merge_call's merge_fn)")
         try:
-            return self._call(fn, tuple(args), kwargs)
+            return self._call(fn, args, kwargs)
         finally:
             self._run_lock.release()
 

@@ -1,5 +1,6 @@
 """Engine behaviour beyond TF's recorded cases: threads, errors, gradients, buffers, input."""
 
+import collections
 import gc
 import threading
 import time
@@ -137,6 +138,18 @@ def test_run_cannot_nest_and_reduce_needs_cross_replica_context():
         strategy.run(lambda: strategy.run(lambda: 1))
     with pytest.raises(RuntimeError, match="nested"):
         strategy.run(lambda: cs.get_replica_context().merge_call(lambda s: s.run(lambda: 1)))
+
+
+def test_run_takes_args_as_a_tuple_or_list_and_refuses_anything_else():
+    strategy = _strategy(2)
+    x = cs.PerReplica([1, 2])
+    assert strategy.experimental_local_results(strategy.run(lambda a, b: a + b, args=[x, 10])) \
+        == (11, 12)
+    Pair = collections.namedtuple("Pair", "a b")
+    assert strategy.experimental_local_results(
+        strategy.run(lambda a, b: a * b, args=Pair(x, 3))) == (3, 6)
+    with pytest.raises(TypeError, match="args must be a tuple, got int"):
+        strategy.run(lambda a: a, args=5)
 
 
 def test_per_replica_argument_of_the_wrong_size_is_refused():
