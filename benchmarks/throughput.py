@@ -7,6 +7,7 @@ variant and the median over rounds of the paired ratio csrun / plain of the same
 
     python benchmarks/throughput.py                 # full run, table + JSON + PNG
     python benchmarks/throughput.py --quick         # a smoke run (CI uses it)
+    python benchmarks/throughput.py --reference     # also hand-written threaded loops
 
 Also measured: the engine's own cost per step (an empty replica function through ``run``
 and ``reduce``), the input path (a distributed dataset against a plain DataLoader over the
@@ -104,6 +105,56 @@ def csrun_loop(name: str, data: list, devices: list[str], parameter: str,
             n = MODELS[name]["batch"]
             losses.append(strategy.reduce("SUM", strategy.run(step, args=(x, y, n))))
             opt.step()
+        torch.stack(losses).sum().item()
+    return run
+
+
+def hand_threads_loop(name: str, data: list, replicas: int) -> Callable[[], None]:
+    """What ``replicas`` CPU replicas can do without csrun: a hand-written loop that runs
+    each share of the batch on its own thread (intra-op threads split among them), on
+    copies of the model whose parameters share the central storage, then sums the
+    gradients with one ``_foreach_add_`` per replica and steps once. No checks, no
+    contexts, no TF semantics: the ceiling this machine allows csrun with that many
+    replicas (``--reference``)."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max(1, replicas - 1))  # persistent threads, as csrun's
+    torch.manual_seed(0)
+    model = build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    copies = [build(name) for _ in range(replicas)]
+    for copy in copies:
+        for leaf, central in zip(copy.parameters(), model.parameters()):
+            leaf.data = central.data  # shares storage: no broadcast needed on one device
+    share = max(1, torch.get_num_threads() // replicas)
+    n = MODELS[name]["batch"]
+
+    def replica(i: int, x, y, out: list) -> None:
+        torch.set_num_threads(share)
+        for leaf in copies[i].parameters():
+            leaf.grad = None
+        loss = F.cross_entropy(copies[i](x), y, reduction="sum") / n
+        loss.backward()
+        out[i] = loss.detach()
+
+    def run() -> None:
+        losses, threads = [], torch.get_num_threads()
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            xs, ys, out = x.chunk(replicas), y.chunk(replicas), [None] * replicas
+            pending = [pool.submit(replica, i, xs[i], ys[i], out) for i in range(1, replicas)]
+            replica(0, xs[0], ys[0], out)
+            for done in pending:
+                done.result()
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                centrals = list(model.parameters())
+                for central, leaf in zip(centrals, copies[0].parameters()):
+                    central.grad = leaf.grad
+                for copy in copies[1:]:
+                    torch._foreach_add_([c.grad for c in centrals],
+                                        [leaf.grad for leaf in copy.parameters()])
+            opt.step()
+            losses.append(sum(out))
         torch.stack(losses).sum().item()
     return run
 
@@ -206,6 +257,8 @@ def measure(args) -> dict:
         for r in args.replicas:
             variants[f"csrun_R{r}"] = csrun_loop(name, data, [f"CPU:{i}" for i in range(r)],
                                                  "CPU:0")
+            if args.reference and r > 1:
+                variants[f"hand_R{r}"] = hand_threads_loop(name, data, r)
         examples = args.steps * MODELS[name]["batch"]
         result["models"][name] = interleaved(variants, examples, args.rounds)
     overhead = {f"R{r}": engine_overhead(r, 200, args.rounds) for r in args.replicas}
@@ -257,7 +310,8 @@ def plot(result: dict, path: Path) -> bool:
         variants = result["models"][model]
         names = list(variants)
         ratios = [variants[n]["ratio_vs_plain"] for n in names]
-        ax.bar(names, ratios, color=["grey"] + ["tab:blue"] * (len(names) - 1))
+        ax.bar(names, ratios, color=["grey" if n == "plain" else "tab:orange"
+                                     if n.startswith("hand_") else "tab:blue" for n in names])
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_title(f"{model}: throughput / plain PyTorch")
         ax.set_ylim(0, max(1.1, max(ratios) * 1.1))
@@ -277,6 +331,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/performance.png"))
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
+    parser.add_argument("--reference", action="store_true",
+                        help="also run a hand-written threaded loop per replica count "
+                             "(hand_R2, ...): what the cores allow without csrun")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 2, 2

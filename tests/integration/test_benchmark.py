@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_quick_benchmark_writes_table_and_json(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick",
-                           "--models", "mlp", "deep", "--replicas", "1", "2", "--json",
+                           "--models", "mlp", "deep", "--replicas", "1", "2", "--reference", "--json",
                            str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")],
                           capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "csrun_R2" in done.stdout and "engine overhead" in done.stdout
     result = json.loads((tmp_path / "r.json").read_text())
     mlp = result["models"]["mlp"]
-    assert set(mlp) == {"plain", "csrun_R1", "csrun_R2"}
+    assert set(mlp) == {"plain", "csrun_R1", "csrun_R2", "hand_R2"}
     assert set(result["models"]["deep"]) == set(mlp)
     assert mlp["plain"]["ratio_vs_plain"] == 1.0
     assert all(v["examples_per_s"] > 0 for v in mlp.values())
