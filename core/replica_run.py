@@ -140,7 +140,8 @@ class ReplicaRun:
 
     @property
     def collectives(self):
-        """The run's Collectives (all_reduce, all_gather, merge_call), made on first use."""
+        """The run's Collectives (all_reduce, all_gather, merge_call), made on first use:
+        by the calling thread, or by :meth:`_start_workers` before any worker starts."""
         collectives = self._collectives
         if collectives is None:
             collectives = self._collectives = self.make_collectives(self)
@@ -179,7 +180,10 @@ class ReplicaRun:
         return self.results
 
     def _start_workers(self, replica_ids: Sequence[int]) -> None:
-        self.cond  # noqa: B018 - made here, on one thread, before anyone else can touch it
+        # made here, on one thread, before any other thread can reach them
+        self.cond  # noqa: B018
+        if self.make_collectives is not None:
+            self.collectives  # noqa: B018
         self.threaded = True
         for replica_id in replica_ids:
             self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))

@@ -40,11 +40,12 @@ def test_rendezvous_lock_exists_before_any_worker_starts():
 
     class Executor:
         def submit(self, replica_id, task):
-            seen.append(run._cond is not None)
+            seen.append((run._cond is not None, run._collectives is not None))
             task()
 
     run = ReplicaRun(3, True, lambda r: r, Executor())
-    assert run.execute() == [0, 1, 2] and seen == [True, True]
+    run.make_collectives = lambda r: object()  # nor two Collectives made at once
+    assert run.execute() == [0, 1, 2] and seen == [(True, True), (True, True)]
 
 
 @pytest.mark.timeout(120)
