@@ -115,6 +115,15 @@ def test_workers_inherit_grad_mode_of_the_caller():
         assert strategy.experimental_local_results(strategy.run(fn)) == ([0, False], [1, False])
     assert strategy.experimental_local_results(strategy.run(fn)) == ([0, True], [1, True])
 
+    def leaky():  # turns grad off for good on whichever thread runs it
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+        torch.set_grad_enabled(False)
+    try:
+        strategy.run(leaky)
+    finally:
+        torch.set_grad_enabled(True)  # replica 0 ran on this thread
+    assert strategy.experimental_local_results(strategy.run(fn)) == ([0, True], [1, True])
+
 
 def test_workers_inherit_inference_mode_and_autocast_of_the_caller():
     strategy = _strategy(2)
@@ -521,3 +530,34 @@ def test_parameter_server_strategy_is_exported_and_is_central_storage_without_a_
     strategy = cs.ParameterServerStrategy()
     assert strategy.cluster_resolver is None and strategy.num_replicas_in_sync == 1
     assert float(strategy.reduce("SUM", strategy.run(lambda: torch.tensor(3.0)))) == 3.0
+
+
+# -- input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_flat_batches_split_as_the_general_path_does(monkeypatch, kind, size, replicas):
+    # (x, y) batches take a fast path; it must agree with the nest walk, partial and
+    # empty batches included (TF: the last replicas get fewer or no examples)
+    from csrun.core import input as input_module
+
+    batch = kind([torch.arange(size * 3.0).reshape(size, 3), torch.arange(size)])
+    fast = input_module.split_batch(batch, replicas)
+    monkeypatch.setattr(input_module, "_split_flat", lambda batch, replicas: None)
+    general = input_module.split_batch(batch, replicas)
+    assert [type(piece) for piece in fast] == [kind] * replicas
+    assert [[t.tolist() for t in piece] for piece in fast] == \
+        [[t.tolist() for t in piece] for piece in general]
+    assert sum(len(piece[1]) for piece in fast) == size
+
+
+@pytest.mark.parametrize("batch,error", [
+    ((torch.zeros(4, 2), torch.zeros(3)), "different batch sizes"),
+    ((torch.zeros(4), torch.tensor(1.0)), "unbatched"),
+    ((torch.zeros(4), "label"), "must hold tensors"),
+])
+def test_flat_batches_that_cannot_split_get_the_general_errors(batch, error):
+    from csrun.core.input import split_batch
+
+    with pytest.raises((ValueError, TypeError), match=error):
+        split_batch(batch, 2)
