@@ -68,6 +68,11 @@ class _ThreadState:
         return _ThreadState(grad, inference, tuple(autocast))
 
     def apply(self, fn: Callable[[], Any]) -> Any:
+        if (not self.autocast and torch.is_grad_enabled() == self.grad_enabled
+                and torch.is_inference_mode_enabled() == self.inference):
+            # the worker already runs with the caller's settings (the usual case): the two
+            # context managers would cost ~14 µs on the run's critical path
+            return fn()
         with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
             if not self.autocast:
                 return fn()
