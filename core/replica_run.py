@@ -68,11 +68,10 @@ class _ThreadState:
         return _ThreadState(grad, inference, tuple(autocast))
 
     def apply(self, fn: Callable[[], Any]) -> Any:
-        if (not self.autocast and torch.is_grad_enabled() == self.grad_enabled
-                and torch.is_inference_mode_enabled() == self.inference):
-            # the worker already runs with the caller's settings (the usual case): the two
-            # context managers would cost ~14 µs on the run's critical path
-            return fn()
+        # Always entered, even when the worker's modes already match (~14 µs): leaving
+        # inference_mode restores the thread's whole dispatch state, so autocast or
+        # forward-mode AD that a replica function switched on and never off does not
+        # reach the next run (tested).
         with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
             if not self.autocast:
                 return fn()
@@ -87,6 +86,13 @@ class _ThreadState:
 
 
 _PLAIN_STATES = {(g, i): _ThreadState(g, i) for g in (False, True) for i in (False, True)}
+
+
+def _run_has_returned(run: "ReplicaRun"):
+    raise RuntimeError(
+        "this replica context belongs to a strategy.run that has returned; call "
+        "get_replica_context() inside the replica function, during the run, to get the "
+        "current one")
 
 
 class ReplicaRun:
@@ -154,9 +160,12 @@ class ReplicaRun:
 
     def release(self) -> None:
         """Drop the body and collectives once the run is over: they point back at the run,
-        and breaking the cycle now spares the garbage collector ~30 objects a step."""
+        and breaking the cycle now spares the garbage collector ~30 objects a step. A
+        replica context kept past its run gets a clear error, not a finished rendezvous
+        (which would wait forever)."""
         self.body = None
         self._collectives = None
+        self.make_collectives = _run_has_returned
 
     # -- running -------------------------------------------------------------------------
     def execute(self) -> list:

@@ -125,6 +125,48 @@ def test_workers_inherit_grad_mode_of_the_caller():
     assert strategy.experimental_local_results(strategy.run(fn)) == ([0, True], [1, True])
 
 
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+def test_autocast_a_replica_leaves_on_does_not_reach_the_next_run(execution):
+    strategy = _strategy(2, execution=execution)
+    w = torch.randn(4, 4)
+
+    def leaky(x):
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))  # forces worker threads
+        torch.autocast("cpu", dtype=torch.bfloat16).__enter__()        # never exited
+        return (x @ w).dtype
+
+    def check(x):
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+        return [_rid(), (x @ w).dtype]
+    try:
+        strategy.run(leaky, args=(torch.randn(4, 4),))
+    finally:
+        torch.set_autocast_enabled("cpu", False)  # replica 0 leaked it on this thread
+    assert strategy.experimental_local_results(strategy.run(check, args=(torch.randn(4, 4),))) \
+        == ([0, torch.float32], [1, torch.float32])
+
+
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+@pytest.mark.parametrize("met", [False, True])
+def test_a_replica_context_kept_past_its_run_refuses_clearly(execution, met):
+    # it used to wait forever on the finished run's rendezvous (ordered, after a meeting)
+    strategy = _strategy(2, execution=execution)
+    kept = []
+
+    def fn():
+        ctx = cs.get_replica_context()
+        if met:
+            ctx.all_reduce("SUM", torch.tensor(1.0))
+        kept.append(ctx)
+    strategy.run(fn)
+    for ctx in kept:
+        with pytest.raises(RuntimeError, match="strategy.run that has returned"):
+            ctx.all_reduce("SUM", torch.tensor(1.0))
+        with pytest.raises(RuntimeError, match="strategy.run that has returned"):
+            ctx.merge_call(lambda s: None)
+    assert strategy.experimental_local_results(strategy.run(_rid)) == (0, 1)  # still works
+
+
 def test_workers_inherit_inference_mode_and_autocast_of_the_caller():
     strategy = _strategy(2)
 
