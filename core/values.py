@@ -215,12 +215,7 @@ def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
     if len(per_replica) == 1:
         return first
     if not isinstance(first, (tuple, list, dict)):  # a leaf: the common case, kept lean
-        same = collapse_identical
-        for i, v in enumerate(per_replica):
-            if isinstance(v, (tuple, list, dict)):
-                raise _structure_error(i, first, v)
-            same = same and v is first
-        return first if same else wrap(per_replica)
+        return _regroup_leaf(per_replica, wrap, collapse_identical)
     if isinstance(first, dict):
         for i, other in enumerate(per_replica[1:], 1):
             if not isinstance(other, dict) or other.keys() != first.keys():
@@ -228,16 +223,27 @@ def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
         items = {k: regroup([r[k] for r in per_replica], wrap, collapse_identical)
                  for k in first}
         return items if type(first) is dict else type(first)(items)
-    if isinstance(first, (tuple, list)):
-        for i, other in enumerate(per_replica[1:], 1):
-            if type(other) is not type(first) or len(other) != len(first):
-                raise _structure_error(i, first, other)
-        items = [regroup([r[j] for r in per_replica], wrap, collapse_identical)
-                 for j in range(len(first))]
-        return _rebuild(first, items)
-    if collapse_identical and all(v is first for v in per_replica):
-        return first
-    return wrap(per_replica)
+    # a tuple or list (namedtuples included)
+    for i, other in enumerate(per_replica[1:], 1):
+        if type(other) is not type(first) or len(other) != len(first):
+            raise _structure_error(i, first, other)
+    # columns as tuples from zip; leaves handled here, without a regroup call each
+    items = [regroup(column, wrap, collapse_identical)
+             if isinstance(column[0], (tuple, list, dict))
+             else _regroup_leaf(column, wrap, collapse_identical)
+             for column in zip(*per_replica)]
+    return tuple(items) if type(first) is tuple else _rebuild(first, items)
+
+
+def _regroup_leaf(values: Sequence[Any], wrap: type, collapse_identical: bool) -> Any:
+    """One leaf position of :func:`regroup`: the shared object, or ``wrap(values)``."""
+    first = values[0]
+    same = collapse_identical
+    for i, v in enumerate(values):
+        if isinstance(v, (tuple, list, dict)):
+            raise _structure_error(i, first, v)
+        same = same and v is first
+    return first if same else wrap(values)
 
 
 def local_results(value: Any, num_replicas: int) -> tuple:

@@ -603,3 +603,35 @@ def test_flat_batches_that_cannot_split_get_the_general_errors(batch, error):
 
     with pytest.raises((ValueError, TypeError), match=error):
         split_batch(batch, 2)
+
+
+# -- regrouping replicas' outputs ----------------------------------------------------------
+def test_run_regroups_nested_outputs_position_by_position():
+    strategy = _strategy(2)
+    Pair = collections.namedtuple("Pair", "a b")
+    shared = object()
+
+    def fn():
+        r = _rid()
+        return Pair(r, {"x": [r * 10, shared], "y": (shared,)}), [r, "same"]
+    out = strategy.run(fn)
+    pair, listed = out
+    assert type(out) is tuple and type(pair) is Pair and type(listed) is list
+    assert isinstance(pair.a, cs.PerReplica) and pair.a.values == (0, 1)
+    assert pair.b["x"][0].values == (0, 10)
+    assert pair.b["x"][1] is shared and pair.b["y"] == (shared,)   # same object: kept
+    assert listed[0].values == (0, 1) and listed[1] == "same"      # interned str: same
+
+
+@pytest.mark.parametrize("first,other,message", [
+    ((1, 2), (1, 2, 3), "a tuple of 2 but replica 1 returned a tuple of 3"),
+    ((1, 2), [1, 2], "a tuple of 2 but replica 1 returned a list of 2"),
+    ({"a": 1}, {"b": 1}, "keys \\['a'\\] but replica 1 returned a dict with keys \\['b'\\]"),
+    (1, (1,), "returned a int but replica 1 returned a tuple of 1"),
+    (((1,), 2), (1, 2), "returned a tuple of 1 but replica 1 returned a int"),
+])
+def test_regroup_names_replicas_whose_outputs_differ_in_structure(first, other, message):
+    from csrun.core.values import regroup
+
+    with pytest.raises(ValueError, match=message):
+        regroup([first, other])
