@@ -303,10 +303,11 @@ class _Inline:
         if self._source is None:
             return _END
         try:
-            if not torch.is_inference_mode_enabled():  # the usual case: no ~7 µs guard
-                return self._produce(self._source)
-            # made as on the prefetch thread: never as inference tensors of the caller's
-            # inference_mode, which training could not use
+            if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+                return self._produce(self._source)  # the usual case: no ~7 µs guard
+            # made as on the prefetch thread (grad on, no inference mode): never as
+            # inference tensors, which training could not use, nor cut from the graph of
+            # a dataset tensor that requires grad when the consumer is in no_grad
             with torch.inference_mode(False):
                 return self._produce(self._source)
         except StopIteration as stop:

@@ -635,3 +635,17 @@ def test_regroup_names_replicas_whose_outputs_differ_in_structure(first, other, 
 
     with pytest.raises(ValueError, match=message):
         regroup([first, other])
+
+
+@pytest.mark.parametrize("source", [list, iter])
+def test_batches_made_under_no_grad_keep_their_link_to_the_dataset(source):
+    # in-memory batches (list) are split on the consumer's thread, others on a prefetch
+    # thread: both as the prefetch thread does, with grad on
+    strategy = _strategy(2)
+    x = torch.arange(4.0, requires_grad=True)
+    dist = strategy.experimental_distribute_dataset(source([(x, torch.arange(4))]))
+    with torch.no_grad():
+        (step,) = list(dist)
+    part = strategy.experimental_local_results(step)[1][0]
+    (part * 2).sum().backward()
+    assert x.grad.tolist() == [0.0, 0.0, 2.0, 2.0]
