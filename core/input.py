@@ -195,7 +195,7 @@ def split_batch(batch: Any, num_replicas: int) -> list:
 
 def _split_flat(batch: tuple | list, num_replicas: int) -> list | None:
     """:func:`split_batch` of a flat tuple or list of batched tensors, the usual
-    ``(x, y)``, without walking nests (a step's input path: ~50 → ~25 µs for two
+    ``(x, y)``, without walking nests (a step's input path: 50 → 31 µs for two
     tensors). None for anything else, which takes the general path and its errors."""
     size = None
     for leaf in batch:
