@@ -19,12 +19,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import math
 import queue
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -183,11 +182,8 @@ def split_batch(batch: Any, num_replicas: int) -> list:
     if len(sizes) > 1:
         raise ValueError(f"the tensors of one batch have different batch sizes {sorted(sizes)}; "
                          "every tensor of a batch needs the same leading dimension")
-    n = sizes.pop() if sizes else 0
-    per = math.ceil(n / num_replicas)
-    pieces = [[leaf[r * per:(r + 1) * per] for leaf in leaves] for r in range(num_replicas)]
     out = []
-    for piece in pieces:
+    for piece in _slices(leaves, sizes.pop() if sizes else 0, num_replicas):
         it = iter(piece)
         out.append(map_structure(lambda _: next(it), batch))
     return out
@@ -207,9 +203,15 @@ def _split_flat(batch: tuple | list, num_replicas: int) -> list | None:
             return None
     if size is None:
         return None
-    per = -(-size // num_replicas)
     kind = type(batch)
-    return [kind([leaf[r * per:(r + 1) * per] for leaf in batch]) for r in range(num_replicas)]
+    return [kind(piece) for piece in _slices(batch, size, num_replicas)]
+
+
+def _slices(leaves: Sequence[torch.Tensor], size: int, num_replicas: int) -> list[list]:
+    """Each replica's consecutive slice of every leaf (TF's rule: ``ceil(size / n)``
+    examples each, so the last replicas get fewer or none)."""
+    per = -(-size // num_replicas)
+    return [[leaf[r * per:(r + 1) * per] for leaf in leaves] for r in range(num_replicas)]
 
 
 # -- prefetching ------------------------------------------------------------------------

@@ -420,7 +420,7 @@ class ParameterServerStrategyExtended:
         run = ReplicaRun(count, policy.concurrent, None, self._executor, policy.threads())
         run.servings = servings
         run.make_collectives = self._collectives_for
-        streams = self._replica_streams() if self._has_gpu else None
+        streams = self._replica_streams()
         if streams is not None:
             self._start_streams(streams)
         run.body = self._replica_body(fn, run, replica_args, replica_kwargs, streams)
@@ -479,8 +479,6 @@ class ParameterServerStrategyExtended:
     def _start_streams(self, streams) -> None:
         """Each replica's stream waits for work the caller queued (optimizer updates,
         arguments) on its own device and on the parameter device."""
-        if streams is None:
-            return
         param = self._parameter.torch_device
         for device, stream in zip(self._compute, streams):
             if stream is None:
@@ -490,8 +488,6 @@ class ParameterServerStrategyExtended:
                 stream.wait_stream(torch.cuda.current_stream(param))
 
     def _join_streams(self, streams) -> None:
-        if streams is None:
-            return
         for device, stream in zip(self._compute, streams):
             if stream is not None:
                 torch.cuda.current_stream(device.torch_device).wait_stream(stream)
