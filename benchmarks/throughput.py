@@ -38,6 +38,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import csrun.core as cs  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+from targets import judge, median_interval  # noqa: E402
+
 MODELS = {
     "mlp": dict(shape=(784,), classes=10, batch=256),
     "convnet": dict(shape=(1, 28, 28), classes=10, batch=128),
@@ -184,15 +187,17 @@ def interleaved(variants: dict, examples: int, rounds: int) -> dict:
         ratios = [v / b for v, b in zip(values, base)]
         out[name] = {"examples_per_s": statistics.median(values),
                      "ratio_vs_plain": statistics.median(ratios),
-                     "ratio_min": min(ratios), "ratio_max": max(ratios)}
+                     "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "ratio_ci95": median_interval(ratios)}
     return out
 
 
-def engine_overhead(replicas: int, steps: int, rounds: int) -> tuple[float, float]:
-    """Median and best µs per step of an empty replica function through run + reduce.
+def engine_overhead(replicas: int, steps: int, rounds: int) -> list[float]:
+    """µs per step of an empty replica function through run + reduce, one per round.
 
-    Both, because a VM's speed can swing by half within seconds: the median is what a
-    run sees, the best round what the code costs when the machine is at full speed."""
+    The report gives their median and the best round, because a VM's speed can swing by
+    half within seconds: the median is what a run sees, the best round what the code
+    costs when the machine is at full speed."""
     strategy = cs.CentralStorageStrategy([f"CPU:{i}" for i in range(replicas)], "CPU:0")
     value = strategy.experimental_distribute_values_from_function(
         lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
@@ -204,8 +209,7 @@ def engine_overhead(replicas: int, steps: int, rounds: int) -> tuple[float, floa
         for _ in range(steps):
             strategy.reduce("SUM", strategy.run(empty, args=(value,)))
     loop()
-    times = [timed(loop) / steps * 1e6 for _ in range(rounds)]
-    return statistics.median(times), min(times)
+    return [timed(loop) / steps * 1e6 for _ in range(rounds)]
 
 
 def input_path(replicas: int, rounds: int) -> dict:
@@ -262,11 +266,13 @@ def measure(args) -> dict:
         examples = args.steps * MODELS[name]["batch"]
         result["models"][name] = interleaved(variants, examples, args.rounds)
     overhead = {f"R{r}": engine_overhead(r, 200, args.rounds) for r in args.replicas}
-    result["engine_overhead_us"] = {k: median for k, (median, _) in overhead.items()}
-    result["engine_overhead_best_us"] = {k: best for k, (_, best) in overhead.items()}
+    result["engine_overhead_us"] = {k: statistics.median(v) for k, v in overhead.items()}
+    result["engine_overhead_best_us"] = {k: min(v) for k, v in overhead.items()}
+    result["engine_overhead_rounds_us"] = overhead
     result["input_path_R2"] = input_path(2, args.rounds)
     if torch.cuda.is_available():
         result["gpu"] = gpu_section(args.rounds, args.steps)
+    result["targets"] = judge(result)
     return result
 
 
@@ -288,6 +294,7 @@ def report(result: dict) -> str:
     lines.append(f"input path, 2 replicas: csrun {path['csrun']['examples_per_s']:.0f} ex/s vs "
                  f"DataLoader {path['plain']['examples_per_s']:.0f} ex/s "
                  f"(ratio {path['csrun']['ratio_vs_plain']:.3f})")
+    lines += [_target_line(t) for t in result["targets"]]
     if "gpu" in result:
         gpu = result["gpu"]
         lines.append(f"GPU {gpu['device']}: H2D {gpu['h2d_GBps']:.1f} GB/s; transfer overhead "
@@ -295,6 +302,13 @@ def report(result: dict) -> str:
                      f"{gpu['pcie_bound_ms']:.3f} ms; steps: " + ", ".join(
                          f"{k} {v['ratio_vs_plain']:.3f}x" for k, v in gpu["steps"].items()))
     return "\n".join(lines)
+
+
+def _target_line(target: dict) -> str:
+    ci = target["ci95"]
+    interval = "no 95% interval" if ci is None else f"95% CI {ci[0]:.3f}..{ci[1]:.3f}"
+    return (f"target {target['what']} {target['target']}: median {target['median']:.3f} "
+            f"({interval}): {target['verdict']}")
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -310,13 +324,17 @@ def plot(result: dict, path: Path) -> bool:
         variants = result["models"][model]
         names = list(variants)
         ratios = [variants[n]["ratio_vs_plain"] for n in names]
-        ax.bar(names, ratios, color=["grey" if n == "plain" else "tab:orange"
-                                     if n.startswith("hand_") else "tab:blue" for n in names])
+        # error bars: the 95% interval of each median (none when too few rounds)
+        cis = [variants[n].get("ratio_ci95") or (r, r) for n, r in zip(names, ratios)]
+        ax.bar(names, ratios, yerr=[[r - lo for r, (lo, _) in zip(ratios, cis)],
+                                    [hi - r for r, (_, hi) in zip(ratios, cis)]], capsize=3,
+               color=["grey" if n == "plain" else "tab:orange"
+                      if n.startswith("hand_") else "tab:blue" for n in names])
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(f"{model}: throughput / plain PyTorch")
-        ax.set_ylim(0, max(1.1, max(ratios) * 1.1))
+        ax.set_title(f"{model}: throughput / plain PyTorch (95% CI)")
+        ax.set_ylim(0, max(1.1, max(hi for _, hi in cis) * 1.05))
         for i, r in enumerate(ratios):
-            ax.text(i, r + 0.02, f"{r:.2f}", ha="center")
+            ax.text(i, 0.05, f"{r:.2f}", ha="center", color="white")  # clear of the bars
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

@@ -28,3 +28,10 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert all(0 < result["engine_overhead_best_us"][k] <= v
                for k, v in result["engine_overhead_us"].items())
     assert result["input_path_R2"]["csrun"]["examples_per_s"] > 0
+    # two rounds cannot give a 95% interval: every target says so instead of a verdict
+    judged = {t["what"]: t for t in result["targets"]}
+    assert set(judged) == {"mlp csrun_R1 / plain", "mlp csrun_R2 / plain",
+                           "engine overhead R2 (µs per step)"}
+    assert all(t["ci95"] is None and t["verdict"] == "too few rounds" for t in judged.values())
+    assert len(result["engine_overhead_rounds_us"]["R2"]) == 2
+    assert "target mlp csrun_R2 / plain >= 0.95" in done.stdout

@@ -1,0 +1,72 @@
+"""Issue 4's targets, and how a noisy run's figures are judged against them.
+
+A median of paired ratios from one run moves by ±0.05 on a VM whose speed swings ~1.6x
+within seconds, so a bare median cannot say whether a target is met. Each median comes
+with a distribution-free 95% confidence interval (order statistics of the rounds: no
+assumption on the noise, no resampling, the same answer every time), and the verdict
+reads the interval: ``met`` when all of it clears the target, ``missed`` when none of it
+does, ``inconclusive`` when the run cannot tell (more rounds narrow it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+# (model, variant) -> the least median ratio csrun / plain PyTorch the issue asks for
+RATIO_TARGETS = {("mlp", "csrun_R1"): 0.97, ("mlp", "csrun_R2"): 0.95,
+                 ("mlp", "csrun_R4"): 0.90}
+OVERHEAD_TARGET_US = {"R2": 50.0}  # the most µs per empty step the issue allows
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple | None:
+    """A confidence interval for the median of ``values``: ``(low, high)`` or None.
+
+    The k-th smallest and k-th largest values, with k the largest rank at which the
+    chance that k or fewer of n draws fall below the true median (a fair coin per draw)
+    stays within (1 - confidence) / 2 on each side. None when n is too small for any
+    interval at that confidence (fewer than 6 values at 95%).
+    """
+    n = len(values)
+    tail = (1.0 - confidence) / 2
+    cumulative, k = 0.0, 0
+    while k < n:
+        cumulative += math.comb(n, k) / 2 ** n  # P(exactly k values below the median)
+        if cumulative > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def verdict(interval: tuple | None, target: float, at_least: bool) -> str:
+    """``met``, ``missed`` or ``inconclusive`` (or ``too few rounds`` without an interval)."""
+    if interval is None:
+        return "too few rounds"
+    low, high = interval
+    if at_least:
+        return "met" if low >= target else "missed" if high < target else "inconclusive"
+    return "met" if high < target else "missed" if low >= target else "inconclusive"
+
+
+def judge(result: dict) -> list[dict]:
+    """Every target this run measured, with its median, interval and verdict."""
+    out = []
+    for (model, variant), target in RATIO_TARGETS.items():
+        entry = result["models"].get(model, {}).get(variant)
+        if entry is not None:
+            interval = entry.get("ratio_ci95")
+            out.append({"what": f"{model} {variant} / plain", "target": f">= {target}",
+                        "median": entry["ratio_vs_plain"], "ci95": interval,
+                        "verdict": verdict(interval, target, at_least=True)})
+    for replicas, limit in OVERHEAD_TARGET_US.items():
+        rounds = result.get("engine_overhead_rounds_us", {}).get(replicas)
+        if rounds:
+            interval = median_interval(rounds)
+            out.append({"what": f"engine overhead {replicas} (µs per step)",
+                        "target": f"< {limit}", "median": statistics.median(rounds),
+                        "ci95": interval, "verdict": verdict(interval, limit, at_least=False)})
+    return out
