@@ -230,10 +230,17 @@ class ParameterStore:
         return [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
 
     def finish_run(self, servings: list["ReplicaServing"]) -> None:
-        """Sum the replicas' gradients into the central ones; combine written buffers."""
-        self._aggregate_buffers(servings)
-        self._pending = servings
-        self.flush_pending()
+        """Sum the replicas' gradients into the central ones; combine written buffers.
+
+        Only replicas that were served parameters can receive gradients later, so only
+        they are kept for the re-checks before the next run and optimizer step."""
+        for serving in servings:
+            if serving.buffers:
+                self._aggregate_buffers(servings)
+                break
+        self._pending = pending = [s for s in servings if s.params]
+        if pending:
+            self.collect(pending)
 
     def discard_run(self, servings: list["ReplicaServing"]) -> None:
         """Forget what a failed run's replicas produced."""
@@ -243,7 +250,8 @@ class ParameterStore:
 
     def flush_pending(self) -> None:
         """Add gradients that the last run's leaves received since the last flush."""
-        self.collect(self._pending)
+        if self._pending:
+            self.collect(self._pending)
 
     def collect(self, servings: list["ReplicaServing"]) -> None:
         """Add the gradients ``servings``' leaves received since last collected into the

@@ -134,7 +134,6 @@ class ReplicaRun:
         # Captured now: a replica may reach a rendezvous inside no_grad, and the workers
         # started then must still see the caller's settings of when run began.
         self.thread_state = _ThreadState.capture()
-        self.main_thread = threading.get_ident()
 
     @property
     def cond(self) -> threading.Condition:
@@ -177,12 +176,12 @@ class ReplicaRun:
         try:
             if self.concurrent:
                 self._start_workers(range(1, self.num_replicas))
-                self._run_replica(0, caller_threads)
+                self._run_replica(0, caller_threads, False)
             else:
                 for replica_id in range(self.num_replicas):
                     if self.threaded or self.error is not None:
                         break
-                    self._run_replica(replica_id, caller_threads)
+                    self._run_replica(replica_id, caller_threads, False)
         finally:
             if caller_threads is not None and torch.get_num_threads() != caller_threads:
                 torch.set_num_threads(caller_threads)
@@ -202,12 +201,13 @@ class ReplicaRun:
         for replica_id in replica_ids:
             self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))
 
-    def _run_replica(self, replica_id: int, caller_threads: int | None = None) -> None:
-        """Run one replica; ``caller_threads`` is given on the caller's thread only.
+    def _run_replica(self, replica_id: int, caller_threads: int | None = None,
+                     on_worker: bool = True) -> None:
+        """Run one replica, on a worker or (``on_worker=False``) on the caller's thread,
+        whose intra-op thread count ``caller_threads`` is then given.
 
         A worker thread keeps the intra-op threads it was given: it serves one replica, so
         the next run asks it for the same count again."""
-        on_worker = threading.get_ident() != self.main_thread
         if on_worker and not self.concurrent:
             with self.cond:
                 self.cond.wait_for(lambda: self.error is not None or self.turn == replica_id)
@@ -232,7 +232,10 @@ class ReplicaRun:
             self._fail(replica_id, exc)
         else:
             self.results[replica_id] = output
-            self._set_final(replica_id, "done")
+            if self.threaded:
+                self._set_final(replica_id, "done")
+            else:  # inline: nobody else to tell
+                self.status[replica_id] = "done"
 
     def _set_final(self, replica_id: int, status: str) -> None:
         if not self.threaded:  # inline: nobody else to tell

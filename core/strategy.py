@@ -420,7 +420,7 @@ class ParameterServerStrategyExtended:
         run = ReplicaRun(count, policy.concurrent, None, self._executor, policy.threads())
         run.servings = servings
         run.make_collectives = self._collectives_for
-        streams = self._replica_streams()
+        streams = self._replica_streams() if self._has_gpu else None
         if streams is not None:
             self._start_streams(streams)
         run.body = self._replica_body(fn, run, replica_args, replica_kwargs, streams)
@@ -458,7 +458,7 @@ class ParameterServerStrategyExtended:
                     device = self._compute[replica_id].torch_device
                     with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
                         return fn(*a, **k)
-                return fn(*a, **k)
+                return fn(*a, **k) if k else fn(*a)
             except ReplicaAborted:
                 raise
             except BaseException as exc:
