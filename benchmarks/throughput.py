@@ -24,6 +24,7 @@ import platform
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -159,6 +160,7 @@ def hand_threads_loop(name: str, data: list, replicas: int) -> Callable[[], None
             opt.step()
             losses.append(sum(out))
         torch.stack(losses).sum().item()
+    weakref.finalize(run, pool.shutdown, wait=False)  # its threads end with the loop
     return run
 
 
