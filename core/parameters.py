@@ -17,8 +17,8 @@ that replica's *leaf* for the central parameter:
 **Gradients.** When the replicas have finished, each replica's leaf gradients are moved to
 the parameter device (one coalesced copy per replica device) and added to the central
 ``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
-backward through ``run``'s outputs in cross-replica context) are collected before the next
-``optimizer.step()`` or ``run``.
+backward through ``run``'s outputs in cross-replica context, also after other runs) are
+collected before the next ``optimizer.step()`` or ``run``.
 
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
@@ -167,6 +167,10 @@ class ParameterStore:
         self.direct = self.copies == [False]
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
+        # Per replica, every leaf served since the strategy began (the latest per central
+        # tensor): a backward through a run's outputs may come after later runs, which
+        # need not read the same parameters. In replica order, for a deterministic sum.
+        self._watched: list = [None] * len(self.compute_devices)
         self._pending: list[ReplicaServing] = []
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
@@ -232,21 +236,35 @@ class ParameterStore:
     def finish_run(self, servings: list["ReplicaServing"]) -> None:
         """Sum the replicas' gradients into the central ones; combine written buffers.
 
-        Only replicas that were served parameters can receive gradients later, so only
-        they are kept for the re-checks before the next run and optimizer step."""
+        The leaves stay watched: gradients that reach them later (a backward through
+        this run's outputs, even after other runs) are collected before the next run
+        and optimizer step."""
         for serving in servings:
             if serving.buffers:
                 self._aggregate_buffers(servings)
                 break
-        self._pending = pending = [s for s in servings if s.params]
-        if pending:
-            self.collect(pending)
+        watch = False
+        for serving in servings:
+            if serving.params:
+                self._watch(serving)
+                watch = True
+        if watch:
+            self._pending = [w for w in self._watched if w is not None]
+        self.flush_pending()
+
+    def _watch(self, serving: "ReplicaServing") -> None:
+        watched = self._watched[serving.replica_id]
+        if watched is None:
+            watched = self._watched[serving.replica_id] = ReplicaServing(self, serving.replica_id)
+        watched.params.update(serving.params)  # a remade leaf replaces the one it follows
+        if serving._mirror is not None:
+            watched._mirror = serving._mirror
 
     def discard_run(self, servings: list["ReplicaServing"]) -> None:
-        """Forget what a failed run's replicas produced."""
+        """Forget what a failed run's replicas produced (earlier runs' leaves stay
+        watched: their outputs may still be backpropagated)."""
         for serving in servings:
             serving.clear_grads()
-        self._pending = []
 
     def flush_pending(self) -> None:
         """Add gradients that the last run's leaves received since the last flush."""

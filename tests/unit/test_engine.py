@@ -226,6 +226,55 @@ def test_gradients_from_a_backward_after_run_reach_the_optimizer(copy):
     assert layer.weight.tolist() == [[-2.0, -2.0]]  # 1 - (1 + 2)
 
 
+@pytest.mark.parametrize("replicas,copy", [(1, False), (2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("between", ["reads nothing", "reads another model", "fails"])
+def test_a_backward_through_an_earlier_runs_outputs_reaches_the_optimizer(
+        replicas, copy, between):
+    # gradient accumulation over several runs: the backward comes after other runs,
+    # which need not read the same parameters (they used to drop the first run's leaves)
+    strategy = _strategy(replicas, copy_parameters=copy)
+    with strategy.scope():
+        layer, other = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    x = torch.ones(2, 3)
+    first = strategy.run(lambda: layer(x).sum())
+    if between == "reads nothing":
+        strategy.run(lambda: x.sum())
+    elif between == "reads another model":
+        strategy.run(lambda: other(x).sum().backward())
+    else:
+        with pytest.raises(ValueError):
+            strategy.run(lambda: (other(x).sum().backward(), _raise(ValueError("boom"))))
+    strategy.reduce("SUM", first).backward()
+    strategy.extended._store.flush_pending()  # what optimizer.step() does first
+    assert layer.weight.grad.tolist() == [[2.0 * replicas] * 3]
+    assert layer.bias.grad.tolist() == [2.0 * replicas]
+    # a failed run's gradients are dropped, except one direct replica's, which are in
+    # .grad already, as in a plain loop (ReplicaServing.clear_grads)
+    kept = between == "reads another model" or (between == "fails" and replicas == 1
+                                                and not copy)
+    assert (other.weight.grad.tolist() if other.weight.grad is not None else None) \
+        == ([[2.0 * replicas] * 3] if kept else None)
+
+
+def test_a_late_backward_is_collected_once():
+    strategy = _strategy(2)
+    with strategy.scope():
+        layer = torch.nn.Linear(3, 1, bias=False)
+    x = torch.ones(2, 3)
+    first = strategy.run(lambda: layer(x).sum())
+    strategy.run(lambda: layer(x).sum().backward())
+    assert layer.weight.grad.tolist() == [[4.0] * 3]
+    strategy.reduce("SUM", first).backward()
+    for _ in range(3):  # every later flush (run, optimizer.step) finds nothing new
+        strategy.extended._store.flush_pending()
+        strategy.run(lambda: x.sum())
+    assert layer.weight.grad.tolist() == [[8.0] * 3]
+
+
+def _raise(exc):
+    raise exc
+
+
 @pytest.mark.parametrize("replicas,copy", [(1, False), (2, False), (2, True)])
 def test_freezing_a_parameter_between_runs_stops_its_gradient(replicas, copy):
     # fine-tuning freezes layers after some steps: replicas' cached leaves must follow
