@@ -3,7 +3,9 @@
 A median of paired ratios from one run moves by ±0.05 on a VM whose speed swings ~1.6x
 within seconds, so a bare median cannot say whether a target is met. Each median comes
 with a distribution-free 95% confidence interval (order statistics of the rounds: no
-assumption on the noise, no resampling, the same answer every time), and the verdict
+noise model and no resampling, only the assumption that rounds are independent draws
+around one median -- which a VM drifting between phases strains, see
+docs/performance.md), and the verdict
 reads the interval: ``met`` when all of it clears the target, ``missed`` when none of it
 does, ``inconclusive`` when the run cannot tell (more rounds narrow it).
 """

@@ -49,12 +49,14 @@ def test_interval_covers_the_true_median_about_95_percent_of_the_time():
 
 @pytest.mark.parametrize("interval, expected", [((0.96, 0.99), "met"), ((0.95, 0.99), "met"),
                                                 ((0.90, 0.949), "missed"),
+                                                ((0.93, 0.95), "inconclusive"),
                                                 ((0.93, 0.97), "inconclusive")])
 def test_verdict_for_at_least_targets(interval, expected):
     assert targets.verdict(interval, 0.95, at_least=True) == expected
 
 
 @pytest.mark.parametrize("interval, expected", [((40.0, 49.9), "met"), ((50.0, 60.0), "missed"),
+                                                ((45.0, 50.0), "inconclusive"),
                                                 ((45.0, 55.0), "inconclusive")])
 def test_verdict_for_at_most_targets(interval, expected):
     assert targets.verdict(interval, 50.0, at_least=False) == expected
