@@ -18,7 +18,8 @@ that replica's *leaf* for the central parameter:
 the parameter device (one coalesced copy per replica device) and added to the central
 ``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
-collected before the next ``optimizer.step()`` or ``run``.
+collected before the next ``optimizer.step()`` or ``run``. Replica leaves and mirrors hold
+the central tensors weakly: a model deleted by the user is freed, not kept by its replicas.
 
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
@@ -158,20 +159,24 @@ class ParameterStore:
             weakref.WeakValueDictionary()
         self._order: dict[int, int] = {}  # id -> creation sequence number
         self._generation = 0
-        self._lock = threading.Lock()
+        # reentrant: a tensor freed by a garbage collection that runs while this thread
+        # holds the lock calls _forget, which takes it too
+        self._lock = threading.RLock()
         self.torch_devices = [d.torch_device for d in self.compute_devices]
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
         # One replica on the parameter device is served the central tensors themselves:
         # its gradients accumulate straight into .grad, as in a plain loop, with no leaf
         # to keep in step and nothing to hand over (docs/performance.md).
         self.direct = self.copies == [False]
+        # Per replica, the leaves it was ever served (the latest per central tensor),
+        # id(central) -> (weakref to central, leaf): an alias cache, and what a flush
+        # reads, since a backward through a run's outputs may come after later runs that
+        # read other parameters. Weak, and pruned when a central tensor is freed, so a
+        # deleted model does not live on in its replicas' leaves (:func:`_forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
-        # Per replica, every leaf served since the strategy began (the latest per central
-        # tensor): a backward through a run's outputs may come after later runs, which
-        # need not read the same parameters. In replica order, for a deterministic sum.
-        self._watched: list = [None] * len(self.compute_devices)
-        self._pending: list[ReplicaServing] = []
+        self._followed: set[int] = set()  # ids of the tensors whose end :func:`_forget` sees
+        self._has_leaves = False  # a replica was served a leaf or mirror: flushes look
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -198,6 +203,13 @@ class ParameterStore:
                 self._tensors[id(tensor)] = tensor
                 self._generation += 1
                 self._order[id(tensor)] = self._generation
+                self._follow(tensor)
+
+    def _follow(self, tensor: torch.Tensor) -> None:
+        """Call :func:`_forget` when ``tensor`` is freed (once per tensor)."""
+        if id(tensor) not in self._followed:
+            self._followed.add(id(tensor))
+            weakref.finalize(tensor, _forget, weakref.ref(self), id(tensor)).atexit = False
 
     def tensors(self) -> list[torch.Tensor]:
         """The tracked central tensors in creation order (TF places variables in it)."""
@@ -234,31 +246,12 @@ class ParameterStore:
         return [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
 
     def finish_run(self, servings: list["ReplicaServing"]) -> None:
-        """Sum the replicas' gradients into the central ones; combine written buffers.
-
-        The leaves stay watched: gradients that reach them later (a backward through
-        this run's outputs, even after other runs) are collected before the next run
-        and optimizer step."""
+        """Sum the replicas' gradients into the central ones; combine written buffers."""
         for serving in servings:
             if serving.buffers:
                 self._aggregate_buffers(servings)
                 break
-        watch = False
-        for serving in servings:
-            if serving.params:
-                self._watch(serving)
-                watch = True
-        if watch:
-            self._pending = [w for w in self._watched if w is not None]
         self.flush_pending()
-
-    def _watch(self, serving: "ReplicaServing") -> None:
-        watched = self._watched[serving.replica_id]
-        if watched is None:
-            watched = self._watched[serving.replica_id] = ReplicaServing(self, serving.replica_id)
-        watched.params.update(serving.params)  # a remade leaf replaces the one it follows
-        if serving._mirror is not None:
-            watched._mirror = serving._mirror
 
     def discard_run(self, servings: list["ReplicaServing"]) -> None:
         """Forget what a failed run's replicas produced (earlier runs' leaves stay
@@ -267,13 +260,46 @@ class ParameterStore:
             serving.clear_grads()
 
     def flush_pending(self) -> None:
-        """Add gradients that the last run's leaves received since the last flush."""
-        if self._pending:
-            self.collect(self._pending)
+        """Add the gradients that any replica leaf received since the last flush: after
+        a run, and a backward through any earlier run's outputs (gradient accumulation
+        over several runs). Added in replica order, so the sum is deterministic."""
+        if not self._has_leaves:  # none yet, or one replica served the central tensors
+            return
+        started = [self._start_leaf_grads(r) for r in range(len(self.compute_devices))]
+        if not any(started):  # nothing new since the last flush: the usual re-check
+            return
+        with torch.no_grad():
+            for replica_id, transfers in enumerate(started):
+                if transfers:
+                    accumulate(*self._finish_leaf_grads(replica_id, transfers))
+
+    def _start_leaf_grads(self, replica_id: int) -> list:
+        if self.copies[replica_id]:
+            mirror = self._mirrors[replica_id]
+            if mirror is None:
+                return []
+            with torch.no_grad():  # grads made with create_graph=True must not be traced
+                return mirror.start_grads(None)
+        pairs = []
+        # a copy: a collection during the loop may free a tensor, and _forget prunes
+        for ref, leaf in list(self._aliases[replica_id].values()):
+            if leaf.grad is not None:
+                central = ref()
+                if central is not None:
+                    pairs.append((central, leaf.grad))
+                leaf.grad = None
+        return pairs
+
+    def _finish_leaf_grads(self, replica_id: int, transfers: list) -> tuple[list, list]:
+        if self.copies[replica_id]:
+            from .broadcast import finish_grads
+            return finish_grads(transfers)
+        return [c for c, _ in transfers], [g for _, g in transfers]
 
     def collect(self, servings: list["ReplicaServing"]) -> None:
         """Add the gradients ``servings``' leaves received since last collected into the
-        central ``.grad`` (after a run, and when its replicas meet in ``merge_call``).
+        central ``.grad``, when a run's replicas meet in ``merge_call`` (a flush covers
+        every leaf; this, the ones the run has served so far).
 
         Every replica's transfer starts before any is waited for (so copies from several
         devices overlap); they are added in replica order, so the sum is deterministic.
@@ -322,14 +348,16 @@ class ParameterStore:
         """
         cache = self._aliases[replica_id]
         entry = cache.get(id(central))
-        if entry is not None and entry[0] is central:
+        if entry is not None and entry[0]() is central:
             leaf = entry[1]
             if (leaf.data_ptr() == central.data_ptr() and leaf.shape == central.shape
                     and leaf.dtype == central.dtype
                     and leaf.requires_grad == central.requires_grad):
                 return leaf
         leaf = central.detach().requires_grad_(central.requires_grad)
-        cache[id(central)] = (central, leaf)
+        cache[id(central)] = (weakref.ref(central), leaf)
+        self._follow(central)
+        self._has_leaves = True
         return leaf
 
     def mirror(self, replica_id: int):
@@ -338,6 +366,7 @@ class ParameterStore:
         if mirror is None:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device, self._torch_param)
             self._mirrors[replica_id] = mirror
+            self._has_leaves = True
         return mirror
 
     def check_device(self, central: torch.Tensor, owner: "ServedDict", name: str) -> None:
@@ -485,6 +514,20 @@ class ReplicaServing:
             return
         for _, leaf in self.params.values():
             leaf.grad = None
+
+
+def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:
+    """A tracked tensor was freed: drop its replica leaves, and have mirrors rebuild
+    without it (they hold it weakly too)."""
+    store = store_ref()
+    if store is None:
+        return
+    store._followed.discard(key)
+    for cache in store._aliases:
+        cache.pop(key, None)
+    with store._lock:
+        store._order.pop(key, None)
+        store._generation += 1
 
 
 def accumulate(centrals: list, grads: list) -> None:

@@ -5,6 +5,7 @@ import gc
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -273,6 +274,30 @@ def test_a_late_backward_is_collected_once():
 
 def _raise(exc):
     raise exc
+
+
+@pytest.mark.parametrize("replicas,copy", [(1, False), (2, False), (2, True)])
+def test_a_deleted_model_is_freed_and_the_next_one_trains(replicas, copy):
+    # a notebook or a sweep makes one model after another in the same strategy: replica
+    # leaves and mirrors must not keep the old ones alive (they used to, from 2 replicas)
+    strategy = _strategy(replicas, copy_parameters=copy)
+    x = torch.ones(2 * replicas, 4)
+    (batch,) = strategy.experimental_distribute_dataset([x])
+    freed = []
+    for _ in range(3):
+        with strategy.scope():
+            layer = torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            layer.weight.fill_(1.0)
+        strategy.run(lambda v: layer(v).sum().backward(), args=(batch,))
+        strategy.extended._store.flush_pending()
+        assert layer.weight.grad.tolist() == [[2.0 * replicas] * 4] * 2  # the new one
+        freed.append(weakref.ref(layer.weight))
+        del layer
+        gc.collect()
+    assert [ref() for ref in freed] == [None] * 3
+    store = strategy.extended._store
+    assert not any(store._aliases) and not store._followed and not store.tensors()
 
 
 @pytest.mark.parametrize("replicas,copy", [(1, False), (2, False), (2, True)])
