@@ -11,8 +11,6 @@ non-blocking copy on the replica's current stream.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 __all__ = ["DeviceMirror"]
@@ -22,9 +20,7 @@ class _Group:
     """The tensors of one dtype and their flat mirror."""
 
     def __init__(self, tensors: list, device: torch.device, param_device: torch.device):
-        # weakly: a mirror must not keep a deleted model alive (the store's generation
-        # moves when one is freed, and the mirror is rebuilt without it)
-        self.refs = [weakref.ref(t) for t in tensors]
+        self.tensors = tensors
         self.numels = [t.numel() for t in tensors]
         total = sum(self.numels)
         dtype = tensors[0].dtype
@@ -41,21 +37,15 @@ class _Group:
             offset += numel
         self.stamp = None
 
-    @property
-    def tensors(self) -> list:
-        """The central tensors (None for one freed since the mirror was built)."""
-        return [ref() for ref in self.refs]
-
     def refresh(self) -> None:
-        tensors = self.tensors  # all alive: the mirror rebuilds first when one was freed
-        stamp = [(t._version, t.data_ptr(), t.requires_grad) for t in tensors]
+        stamp = [(t._version, t.data_ptr(), t.requires_grad) for t in self.tensors]
         if stamp == self.stamp:
             return
-        for tensor, leaf in zip(tensors, self.leaves):  # frozen or unfrozen since
+        for tensor, leaf in zip(self.tensors, self.leaves):  # frozen or unfrozen since
             if leaf.requires_grad != tensor.requires_grad:
                 leaf.requires_grad_(tensor.requires_grad)
         with torch.no_grad():
-            flat = [t.detach().reshape(-1) for t in tensors]
+            flat = [t.detach().reshape(-1) for t in self.tensors]
             if self.staging is not None:
                 if self.copied is not None:  # the last non-blocking copy may still read it
                     self.copied.synchronize()
@@ -63,7 +53,7 @@ class _Group:
                 self.flat.copy_(self.staging, non_blocking=True)
                 self.copied = torch.cuda.Event()
                 self.copied.record()
-            elif self.flat.device == tensors[0].device:
+            elif self.flat.device == self.tensors[0].device:
                 torch.cat(flat, out=self.flat)
             else:
                 self.flat.copy_(torch.cat(flat))
@@ -96,8 +86,8 @@ class DeviceMirror:
                     leaf.grad = None
 
     def _layout_changed(self) -> bool:
-        """A central tensor changed dtype or size (e.g. ``model.double()``), or was freed."""
-        return any(t is None or t.dtype != leaf.dtype or t.shape != leaf.shape
+        """A central tensor changed dtype or size (e.g. ``model.double()``)."""
+        return any(t.dtype != leaf.dtype or t.shape != leaf.shape
                    for group in self._groups for t, leaf in zip(group.tensors, group.leaves))
 
     def _build(self, tensors: list) -> None:
@@ -105,16 +95,16 @@ class DeviceMirror:
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         self._groups = [_Group(ts, self.device, self.param_device) for ts in by_dtype.values()]
-        self._leaf_of = {}  # id(central) -> (weakref to it, leaf)
+        self._leaf_of = {}
         for group in self._groups:
-            for ref, leaf in zip(group.refs, group.leaves):
-                self._leaf_of[id(ref())] = (ref, leaf)
+            for tensor, leaf in zip(group.tensors, group.leaves):
+                self._leaf_of[tensor] = leaf
 
     def leaf(self, central: torch.Tensor) -> torch.Tensor:
-        entry = self._leaf_of.get(id(central))
-        if entry is None or entry[0]() is not central:
+        leaf = self._leaf_of.get(central)
+        if leaf is None:
             raise KeyError("csrun: a served tensor is not tracked by its strategy")
-        return entry[1]
+        return leaf
 
     def start_grads(self, served: dict | None) -> list:  # keyed by id(central); None: all
         """Start moving this replica's new gradients to the parameter device.
@@ -127,8 +117,7 @@ class DeviceMirror:
         transfers = []
         for group in self._groups:
             pairs = [(t, leaf) for t, leaf in zip(group.tensors, group.leaves)
-                     if leaf.grad is not None and t is not None
-                     and (served is None or id(t) in served)]
+                     if leaf.grad is not None and (served is None or id(t) in served)]
             if not pairs:
                 continue
             flat = torch.cat([leaf.grad.reshape(-1) for _, leaf in pairs])

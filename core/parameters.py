@@ -18,8 +18,9 @@ that replica's *leaf* for the central parameter:
 the parameter device (one coalesced copy per replica device) and added to the central
 ``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
-collected before the next ``optimizer.step()`` or ``run``. Replica leaves and mirrors hold
-the central tensors weakly: a model deleted by the user is freed, not kept by its replicas.
+collected before the next ``optimizer.step()`` or ``run``. Alias leaves hold the central
+tensors weakly: a model deleted by the user is freed, not kept by its replicas (device
+mirrors, for copies, still keep theirs: see :func:`_forget`).
 
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
@@ -172,7 +173,7 @@ class ParameterStore:
         # id(central) -> (weakref to central, leaf): an alias cache, and what a flush
         # reads, since a backward through a run's outputs may come after later runs that
         # read other parameters. Weak, and pruned when a central tensor is freed, so a
-        # deleted model does not live on in its replicas' leaves (:func:`_forget`).
+        # deleted model does not live on in its replicas' aliases (:func:`_forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
         self._followed: set[int] = set()  # ids of the tensors whose end :func:`_forget` sees
@@ -517,8 +518,11 @@ class ReplicaServing:
 
 
 def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:
-    """A tracked tensor was freed: drop its replica leaves, and have mirrors rebuild
-    without it (they hold it weakly too)."""
+    """A tracked tensor was freed: drop its replicas' alias leaves.
+
+    Device mirrors (copies) still hold their tensors: rebuilding a mirror when one is
+    freed would orphan leaves that a run or a late backward still uses (found in
+    review), so a model served through copies lives as long as its strategy."""
     store = store_ref()
     if store is None:
         return
@@ -527,7 +531,6 @@ def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:
         cache.pop(key, None)
     with store._lock:
         store._order.pop(key, None)
-        store._generation += 1
 
 
 def accumulate(centrals: list, grads: list) -> None:
