@@ -292,6 +292,8 @@ class ParameterStore:
         return pairs
 
     def _finish_leaf_grads(self, replica_id: int, transfers: list) -> tuple[list, list]:
+        """The central tensors and their gradients (transfers from a replica's mirror
+        arrive; an alias replica's pairs are already on the parameter device)."""
         if self.copies[replica_id]:
             from .broadcast import finish_grads
             return finish_grads(transfers)
@@ -503,10 +505,7 @@ class ReplicaServing:
 
     def finish_grads(self, transfers) -> tuple[list, list]:
         """The central tensors and their gradients, on the parameter device."""
-        if self.copies:
-            from .broadcast import finish_grads
-            return finish_grads(transfers)
-        return [c for c, _ in transfers], [g for _, g in transfers]
+        return self.store._finish_leaf_grads(self.replica_id, transfers)
 
     def clear_grads(self) -> None:
         """Drop a failed run's gradients. A direct replica's are already in the central
