@@ -106,18 +106,18 @@ class DeviceMirror:
             raise KeyError("csrun: a served tensor is not tracked by its strategy")
         return leaf
 
-    def start_grads(self, served: dict | None) -> list:  # keyed by id(central); None: all
+    def start_grads(self) -> list:
         """Start moving this replica's new gradients to the parameter device.
 
         One coalesced copy per dtype; from a GPU to a CPU parameter device it is a
         non-blocking copy into fresh pinned memory (the caching host allocator makes that
         cheap), so the copies of several GPUs overlap. :func:`finish_grads` waits for them.
-        Only leaves that received a gradient (and were ``served``, if given) take part.
+        Only leaves that received a gradient take part.
         """
         transfers = []
         for group in self._groups:
             pairs = [(t, leaf) for t, leaf in zip(group.tensors, group.leaves)
-                     if leaf.grad is not None and (served is None or id(t) in served)]
+                     if leaf.grad is not None]
             if not pairs:
                 continue
             flat = torch.cat([leaf.grad.reshape(-1) for _, leaf in pairs])

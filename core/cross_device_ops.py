@@ -142,7 +142,7 @@ class Collectives:
             # The replicas' gradients so far, summed into .grad: merge_fn may step the
             # optimizer (TF's apply_gradients in merge_call), and with one replica on the
             # parameter device they are there already
-            strategy.extended._store.collect(self._run.servings)
+            strategy.extended._store.flush_pending()
             try:
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
             finally:

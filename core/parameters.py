@@ -177,7 +177,6 @@ class ParameterStore:
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
         self._followed: set[int] = set()  # ids of the tensors whose end :func:`_forget` sees
-        self._has_leaves = False  # a replica was served a leaf or mirror: flushes look
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -262,9 +261,13 @@ class ParameterStore:
 
     def flush_pending(self) -> None:
         """Add the gradients that any replica leaf received since the last flush: after
-        a run, and a backward through any earlier run's outputs (gradient accumulation
-        over several runs). Added in replica order, so the sum is deterministic."""
-        if not self._has_leaves:  # none yet, or one replica served the central tensors
+        a run, when its replicas meet in ``merge_call``, and a backward through any
+        earlier run's outputs (gradient accumulation over several runs).
+
+        Every replica's transfer starts before any is waited for (so copies from several
+        devices overlap); they are added in replica order, so the sum is deterministic.
+        """
+        if not (any(self._aliases) or any(self._mirrors)):  # no leaves (yet), or direct
             return
         started = [self._start_leaf_grads(r) for r in range(len(self.compute_devices))]
         if not any(started):  # nothing new since the last flush: the usual re-check
@@ -280,7 +283,7 @@ class ParameterStore:
             if mirror is None:
                 return []
             with torch.no_grad():  # grads made with create_graph=True must not be traced
-                return mirror.start_grads(None)
+                return mirror.start_grads()
         pairs = []
         # a copy: a collection during the loop may free a tensor, and _forget prunes
         for ref, leaf in list(self._aliases[replica_id].values()):
@@ -298,24 +301,6 @@ class ParameterStore:
             from .broadcast import finish_grads
             return finish_grads(transfers)
         return [c for c, _ in transfers], [g for _, g in transfers]
-
-    def collect(self, servings: list["ReplicaServing"]) -> None:
-        """Add the gradients ``servings``' leaves received since last collected into the
-        central ``.grad``, when a run's replicas meet in ``merge_call`` (a flush covers
-        every leaf; this, the ones the run has served so far).
-
-        Every replica's transfer starts before any is waited for (so copies from several
-        devices overlap); they are added in replica order, so the sum is deterministic.
-        """
-        pending = [s for s in servings if s.params]
-        if not pending:
-            return
-        started = [serving.start_grads() for serving in pending]
-        if not any(started):  # nothing new since the last flush: the usual re-check
-            return
-        with torch.no_grad():
-            for serving, transfers in zip(pending, started):
-                accumulate(*serving.finish_grads(transfers))
 
     def _aggregate_buffers(self, servings: list["ReplicaServing"]) -> None:
         keys: dict = {}
@@ -360,7 +345,6 @@ class ParameterStore:
         leaf = central.detach().requires_grad_(central.requires_grad)
         cache[id(central)] = (weakref.ref(central), leaf)
         self._follow(central)
-        self._has_leaves = True
         return leaf
 
     def mirror(self, replica_id: int):
@@ -369,7 +353,6 @@ class ParameterStore:
         if mirror is None:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device, self._torch_param)
             self._mirrors[replica_id] = mirror
-            self._has_leaves = True
         return mirror
 
     def check_device(self, central: torch.Tensor, owner: "ServedDict", name: str) -> None:
@@ -487,25 +470,6 @@ class ReplicaServing:
             return copy
         central = dict.__getitem__(owner, key[1])
         return None if torch.equal(copy.to(central.device), central) else copy
-
-    def start_grads(self):
-        """Take this replica's new leaf gradients (copies start moving to the parameter
-        device; aliases are already there)."""
-        if self.copies:
-            with torch.no_grad():  # grads made with create_graph=True must not be traced
-                return self._mirror.start_grads(self.params)
-        if self.direct:  # already in the central .grad
-            return []
-        pairs = []
-        for central, leaf in self.params.values():
-            if leaf.grad is not None:
-                pairs.append((central, leaf.grad))
-                leaf.grad = None
-        return pairs
-
-    def finish_grads(self, transfers) -> tuple[list, list]:
-        """The central tensors and their gradients, on the parameter device."""
-        return self.store._finish_leaf_grads(self.replica_id, transfers)
 
     def clear_grads(self) -> None:
         """Drop a failed run's gradients. A direct replica's are already in the central
