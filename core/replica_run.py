@@ -232,10 +232,7 @@ class ReplicaRun:
             self._fail(replica_id, exc)
         else:
             self.results[replica_id] = output
-            if self.threaded:
-                self._set_final(replica_id, "done")
-            else:  # inline: nobody else to tell
-                self.status[replica_id] = "done"
+            self._set_final(replica_id, "done")
 
     def _set_final(self, replica_id: int, status: str) -> None:
         if not self.threaded:  # inline: nobody else to tell

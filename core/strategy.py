@@ -420,7 +420,7 @@ class ParameterServerStrategyExtended:
         run = ReplicaRun(count, policy.concurrent, None, self._executor, policy.threads())
         run.servings = servings
         run.make_collectives = self._collectives_for
-        streams = self._replica_streams() if self._has_gpu else None
+        streams = self._replica_streams()
         if streams is not None:
             self._start_streams(streams)
         run.body = self._replica_body(fn, run, replica_args, replica_kwargs, streams)
