@@ -49,7 +49,7 @@ def make_strategy(kind: str):
     if kind == "central":
         from csrun.core import CentralStorageStrategy
         return CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
-    from csrun.core.parameter_server_strategy import ParameterServerStrategy
+    from csrun.core.cluster.parameter_server_strategy import ParameterServerStrategy
     return ParameterServerStrategy(timeout=120)  # the cluster and task from TF_CONFIG
 
 
@@ -114,7 +114,7 @@ def run_variant(name: str, args, folder: Path) -> dict:
     if workers == 0:
         tasks = [("central", None, cpus)]
     else:
-        from csrun.core.launch import free_ports  # the driver itself stays free of torch
+        from csrun.core.runner.launch import free_ports  # the driver itself stays free of torch
         ports = free_ports(workers + 1)
         cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
                    "ps": [f"127.0.0.1:{ports[-1]}"]}

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from csrun.core.device_lib import list_local_devices
+from csrun.core.distribute.device_lib import list_local_devices
 
 from .outcomes import reporting
 from .render import View, write_json

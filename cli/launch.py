@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.launch import launch as run_job
-from csrun.core.launch import plan_launch
-from csrun.core.runner import stop_on_signals
+from csrun.core.runner.launch import launch as run_job
+from csrun.core.runner.launch import plan_launch
+from csrun.core.runner.session import stop_on_signals
 
 from .outcomes import reporting
 from .render import View, clean_floats, write_json

@@ -10,10 +10,10 @@ import contextlib
 
 import typer
 
-from csrun.core.checkpoint import CheckpointError
-from csrun.core.preflight import check_writable
-from csrun.core.problems import ConfigError
-from csrun.core.runner import RunError
+from csrun.core.runner.checkpoint import CheckpointError
+from csrun.core.runner.preflight import check_writable
+from csrun.core.config.problems import ConfigError
+from csrun.core.runner.session import RunError
 
 from .render import View, clean_floats, write_json
 

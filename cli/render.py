@@ -20,12 +20,12 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from csrun.core.cluster_runner import ClusterJoined, ServeResult
-from csrun.core.events import (CheckpointSaved, Evaluated, Notice, RunResult, RunStarted,
+from csrun.core.runner.cluster_role import ClusterJoined, ServeResult
+from csrun.core.runner.events import (CheckpointSaved, Evaluated, Notice, RunResult, RunStarted,
                                StepDone, StepLog)
-from csrun.core.launch import (LaunchPlan, LaunchResult, TaskExited, TaskOutput, TaskStarted,
+from csrun.core.runner.launch import (LaunchPlan, LaunchResult, TaskExited, TaskOutput, TaskStarted,
                                describe_exit)
-from csrun.core.problems import ConfigError
+from csrun.core.config.problems import ConfigError
 
 __all__ = ["View", "sparkline", "write_json"]
 
@@ -174,7 +174,7 @@ class View:
 
     # -- a training run ----------------------------------------------------------------------
     def on_event(self, event: Any) -> None:
-        """Render one event of :mod:`csrun.core.events` (the runner's ``on_event``)."""
+        """Render one event of :mod:`csrun.core.runner.events` (the runner's ``on_event``)."""
         handler = {RunStarted: self._started, StepDone: self._step_done,
                    StepLog: self._step_log, CheckpointSaved: self._checkpoint,
                    Notice: self._notice, Evaluated: self._evaluated,
@@ -322,7 +322,7 @@ class View:
         self._width = max(len(t) for t in plan.tasks)
 
     def on_launch_event(self, event: Any) -> None:
-        """Render one event of :mod:`csrun.core.launch`: a task's start, line or exit."""
+        """Render one event of :mod:`csrun.core.runner.launch`: a task's start, line or exit."""
         width = getattr(self, "_width", 8)
         if isinstance(event, TaskStarted):
             role = " (chief)" if event.chief else ""

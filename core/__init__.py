@@ -22,23 +22,19 @@ aggregation
     How updates made inside replicas are combined (:class:`VariableAggregation`).
 """
 
-from .cluster import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
-                      TFConfigClusterResolver, TorchrunClusterResolver)
-from .context import (ReplicaContext, get_cross_replica_context, get_replica_context,
-                      get_strategy, has_strategy, in_cross_replica_context)
-from .devices import (DeviceError, LogicalDevice, canonical_name, local_devices,
-                      logical_cpu_count, set_logical_cpu_count)
-from .input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
-                    InputContext, InputOptions, InputReplicationMode, PerReplicaSpec,
-                    TensorSliceDataset, TensorSpec, ValueContext)
-from .parameter_server_strategy import ParameterServerStrategy
-from .parameters import get_aggregation, set_aggregation
-from .reduce import ReduceOp
-from .replica_run import ReplicaAborted
-from .strategy import (CentralStorageStrategy, ParameterServerStrategyExtended, RunOptions,
-                       Strategy, StrategyOptions)
-from .values import DistributedValues, Mirrored, PerReplica
-from .variables import Variable, VariableAggregation, VariableSynchronization
+from .cluster import (ClusterResolver, ClusterSpec, ParameterServerStrategy,
+                      SimpleClusterResolver, TFConfigClusterResolver, TorchrunClusterResolver)
+from .distribute import (
+    CentralStorageStrategy, ParameterServerStrategyExtended, Strategy, StrategyOptions,
+    RunOptions, ReduceOp, ReplicaContext, get_strategy, has_strategy,
+    in_cross_replica_context, get_replica_context, get_cross_replica_context,
+    DistributedValues, PerReplica, Mirrored, InputContext, InputOptions,
+    InputReplicationMode, ValueContext, DistributedDataset, DistributedDatasetsFromFunction,
+    DistributedIterator, TensorSpec, PerReplicaSpec, TensorSliceDataset, Variable,
+    VariableAggregation, VariableSynchronization, set_aggregation, get_aggregation,
+    ReplicaAborted, DeviceError, LogicalDevice, canonical_name, local_devices,
+    logical_cpu_count, set_logical_cpu_count,
+)
 
 __all__ = [
     "CentralStorageStrategy",

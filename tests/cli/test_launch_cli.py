@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from csrun.core.launch import LaunchResult
-from csrun.core.problems import ConfigError
+from csrun.core.runner.launch import LaunchResult
+from csrun.core.config.problems import ConfigError
 
 PS_TINY = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0]}
@@ -32,7 +32,7 @@ def nothing_starts(monkeypatch):
     """Any attempt to start a task fails the test."""
     def refuse(*args, **kwargs):
         raise AssertionError("a task was started")
-    monkeypatch.setattr("csrun.core.launch.subprocess.Popen", refuse)
+    monkeypatch.setattr("csrun.core.runner.launch.subprocess.Popen", refuse)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -138,7 +138,7 @@ def test_an_interrupted_job_exits_with_the_signal_code(cli, ps_tiny, monkeypatch
 
 
 def test_plan_errors_are_config_errors():
-    from csrun.core.launch import plan_launch
+    from csrun.core.runner.launch import plan_launch
     with pytest.raises(ConfigError) as info:
         plan_launch("x.yaml", workers=0, ps=0)
     assert [p.path for p in info.value.problems] == ["--workers", "--ps"]

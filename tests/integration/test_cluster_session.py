@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from csrun.core.cluster_runner import ClusterSession, connect, run_task
-from csrun.core.config import load_config_text
-from csrun.core.launch import free_ports
-from csrun.core.runner import Outputs, Session
+from csrun.core.runner.cluster_role import ClusterSession, connect, run_task
+from csrun.core.config.schema import load_config_text
+from csrun.core.runner.launch import free_ports
+from csrun.core.runner.session import Outputs, Session
 
 TEXT = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0]}

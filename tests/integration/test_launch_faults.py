@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from csrun.core.checkpoint import CheckpointManager
+from csrun.core.runner.checkpoint import CheckpointManager
 
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0]}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from csrun.core.launch import free_ports
+from csrun.core.runner.launch import free_ports
 
 TASK = Path(__file__).with_name("ps_task.py")
 

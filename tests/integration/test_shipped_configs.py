@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
-from csrun.core.config import load_config
-from csrun.core.problems import ConfigError
-from csrun.core.runner import train
+from csrun.core.config.schema import load_config
+from csrun.core.config.problems import ConfigError
+from csrun.core.runner.session import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 NAMES = [c.stem for c in CONFIGS]

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from csrun.core import config as config_module
-from csrun.core.optimizers import optimizer_names
+from csrun.core.config import schema as config_module
+from csrun.core.runner.optimizers import optimizer_names
 
 # Each property runs this many examples; CSRUN_FUZZ_EXAMPLES raises it for a long local
 # run. No deadline from hypothesis: the time of each case is asserted by the tests.

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from broken_configs import VALID, block_yaml
 from csrun_processes import TINY, child_env, csrun_command
 from csrun.cli.main import app
-from csrun.core.problems import CLIP
+from csrun.core.config.problems import CLIP
 
 CASE_LIMIT_S = 10.0  # the bound on one bad config; measured cases take well under 1 s
 # "A short message": each part of a problem is clipped (CLIP), so no line of the error

@@ -15,9 +15,9 @@ import torch
 from typer.testing import CliRunner
 
 from csrun.cli.main import app
-from csrun.core.checkpoint import CheckpointError, CheckpointManager
-from csrun.core.config import load_config_text
-from csrun.core.runner import train
+from csrun.core.runner.checkpoint import CheckpointError, CheckpointManager
+from csrun.core.config.schema import load_config_text
+from csrun.core.runner.session import train
 from csrun_processes import TINY
 
 RUN = ["checkpoint.dir=ck", "checkpoint.every_steps=4", "checkpoint.keep=2",
@@ -218,7 +218,7 @@ def test_another_models_weights_under_a_matching_manifest_are_refused(trained, t
     payload = torch.load(path, weights_only=True)
     payload["model"] = torch.nn.Linear(6, 3).state_dict()
     torch.save(payload, path)
-    from csrun.core.digests import file_sha256
+    from csrun.core.runner.digests import file_sha256
     manifest = json.loads(path.with_suffix(".json").read_text())
     manifest.update(bytes=path.stat().st_size, sha256=file_sha256(path))
     path.with_suffix(".json").write_text(json.dumps(manifest))

@@ -13,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from broken_configs import FUZZ, SIMPLE_KEY, VALID, block_yaml, breaks, related
-from csrun.core.safe_yaml import MAX_ALIASES, MAX_DEPTH
+from csrun.core.config.safe_yaml import MAX_ALIASES, MAX_DEPTH
 
 
 def _expect_refusal(outcome, broken, text: str | None = None, override: str | None = None):

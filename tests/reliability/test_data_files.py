@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import csrun.core.datasets as datasets
+import csrun.core.data.datasets as datasets
 from broken_configs import VALID, block_yaml
 from csrun.cli.main import app
 

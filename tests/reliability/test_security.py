@@ -17,9 +17,9 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-import csrun.core.datasets as datasets
+import csrun.core.data.datasets as datasets
 from csrun.cli.main import app
-from csrun.core.digests import file_sha256
+from csrun.core.runner.digests import file_sha256
 from csrun_processes import TINY
 
 SOURCES = sorted((Path(datasets.__file__).parent).glob("*.py")) + \

@@ -18,9 +18,9 @@ from rich.console import Console
 from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 from csrun.cli.render import View
-from csrun.core.config import load_config_text
-from csrun.core.events import StepDone
-from csrun.core.runner import Outputs, train
+from csrun.core.config.schema import load_config_text
+from csrun.core.runner.events import StepDone
+from csrun.core.runner.session import Outputs, train
 from csrun_processes import TINY
 
 

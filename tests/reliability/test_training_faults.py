@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 import injected_faults
 from csrun.cli.main import app
-from csrun.core.checkpoint import CheckpointManager
-from csrun.core.config import load_config
-from csrun.core.runner import _identity
+from csrun.core.runner.checkpoint import CheckpointManager
+from csrun.core.config.schema import load_config
+from csrun.core.runner.session import _identity
 
 CONFIG = """\
 strategy: {compute_devices: [CPU:0, CPU:1, CPU:2], parameter_device: CPU:0}

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from csrun.core.checkpoint import CheckpointError, CheckpointManager
+from csrun.core.runner.checkpoint import CheckpointError, CheckpointManager
 
 
 def manager(tmp_path, keep=2, **identity):
@@ -71,7 +71,7 @@ def test_unpickling_code_is_refused(tmp_path):
     path.write_bytes(pickle.dumps({"step": 1, "x": Evil()}))  # and a matching manifest:
     manifest_path = path.with_suffix(".json")
     manifest = json.loads(manifest_path.read_text())
-    from csrun.core.digests import file_sha256
+    from csrun.core.runner.digests import file_sha256
     manifest.update(bytes=path.stat().st_size, sha256=file_sha256(path))
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="cannot be loaded safely"):

@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from csrun.core.cluster_config import TF_CONFIG_ORIGIN, cluster_resolver
-from csrun.core.config import load_config_text
-from csrun.core.problems import ConfigError
+from csrun.core.config.cluster import TF_CONFIG_ORIGIN, cluster_resolver
+from csrun.core.config.schema import load_config_text
+from csrun.core.config.problems import ConfigError
 
 PS = textwrap.dedent("""\
     strategy:
@@ -172,7 +172,7 @@ def test_settings_that_cannot_work_in_a_cluster():
 
 def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
     # else the ps tasks serve forever and the other workers wait for the chief's init
-    from csrun.core import cluster_runner
+    from csrun.core.runner import cluster_role as cluster_runner
 
     aborted = []
     extended = types.SimpleNamespace(is_ps=False, is_chief=True, abort=aborted.append)
@@ -196,7 +196,7 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
 
     import torch.distributed as dist
 
-    from csrun.core.parameter_server import ParameterServerClient, ParameterServerError
+    from csrun.core.cluster.parameter_server import ParameterServerClient, ParameterServerError
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
@@ -219,8 +219,8 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
 
     import torch.distributed as dist
 
-    from csrun.core.launch import free_ports
-    from csrun.core.parameter_server import ParameterServerClient, ParameterServerError, _JobStore
+    from csrun.core.runner.launch import free_ports
+    from csrun.core.cluster.parameter_server import ParameterServerClient, ParameterServerError, _JobStore
 
     (port,) = free_ports(1)
     host = subprocess.Popen(

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from csrun.core.config import RunConfig, load_config, load_config_text, parse_override
-from csrun.core.problems import ConfigError, did_you_mean
+from csrun.core.config.schema import RunConfig, load_config, load_config_text, parse_override
+from csrun.core.config.problems import ConfigError, did_you_mean
 
 BASE = textwrap.dedent("""\
     strategy:

@@ -5,15 +5,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from csrun.core import config as config_module
-from csrun.core.config_reference import render_reference
+from csrun.core.config import schema as config_module
+from csrun.core.config.reference import render_reference
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def test_docs_config_md_is_current():
     assert DOC.read_text(encoding="utf-8") == render_reference(), (
-        "docs/config.md is stale: run `python -m csrun.core.config_reference docs/config.md`")
+        "docs/config.md is stale: run `python -m csrun.core.config.reference docs/config.md`")
 
 
 def _models():

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from csrun.core.config import DatasetConfig
-from csrun.core.datasets import Pipeline, load_source, split_holdout
-from csrun.core.problems import ConfigError
+from csrun.core.config.schema import DatasetConfig
+from csrun.core.data.datasets import Pipeline, load_source, split_holdout
+from csrun.core.config.problems import ConfigError
 
 
 def double_features(x, y, factor=2.0):

@@ -35,7 +35,7 @@ def test_concurrent_mode_runs_replicas_at_once():
 def test_rendezvous_lock_exists_before_any_worker_starts():
     # Regression: replicas racing to make the lazily built Condition each got their own
     # lock and waited forever (seen once in CI's soak run, BatchNorm all_reduce).
-    from csrun.core.replica_run import ReplicaRun
+    from csrun.core.distribute.replica_run import ReplicaRun
 
     seen = []
 
@@ -698,7 +698,7 @@ def test_parameter_server_strategy_is_exported_and_is_central_storage_without_a_
 def test_flat_batches_split_as_the_general_path_does(monkeypatch, kind, size, replicas):
     # (x, y) batches take a fast path; it must agree with the nest walk, partial and
     # empty batches included (TF: the last replicas get fewer or no examples)
-    from csrun.core import input as input_module
+    from csrun.core.distribute import input as input_module
 
     batch = kind([torch.arange(size * 3.0).reshape(size, 3), torch.arange(size)])
     fast = input_module.split_batch(batch, replicas)
@@ -716,7 +716,7 @@ def test_flat_batches_split_as_the_general_path_does(monkeypatch, kind, size, re
     ((torch.zeros(4), "label"), "must hold tensors"),
 ])
 def test_flat_batches_that_cannot_split_get_the_general_errors(batch, error):
-    from csrun.core.input import split_batch
+    from csrun.core.distribute.input import split_batch
 
     with pytest.raises((ValueError, TypeError), match=error):
         split_batch(batch, 2)
@@ -748,7 +748,7 @@ def test_run_regroups_nested_outputs_position_by_position():
     (((1,), 2), (1, 2), "returned a tuple of 1 but replica 1 returned a int"),
 ])
 def test_regroup_names_replicas_whose_outputs_differ_in_structure(first, other, message):
-    from csrun.core.values import regroup
+    from csrun.core.distribute.values import regroup
 
     with pytest.raises(ValueError, match=message):
         regroup([first, other])

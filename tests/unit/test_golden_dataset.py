@@ -331,7 +331,7 @@ def test_dist_ds_no_warning_for_ordinary_iteration(strategy):
 
 def _before_each_split(monkeypatch, before) -> None:
     """Call ``before()`` ahead of every split of a step (on the thread that splits)."""
-    import csrun.core.input as input_module
+    import csrun.core.distribute.input as input_module
     split = input_module.split_batch
 
     def wrapped(*args, **kwargs):

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from csrun.core.launch import (LaunchPlan, TaskExited, TaskOutput, TaskStarted,
+from csrun.core.runner.launch import (LaunchPlan, TaskExited, TaskOutput, TaskStarted,
                                describe_exit, launch)
 
 CLUSTER = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from csrun.core.config import OptimizerConfig
-from csrun.core.models import build_model, check_model, make_loss
-from csrun.core.optimizers import build_optimizer, check_optimizer
-from csrun.core.problems import ConfigError
+from csrun.core.config.schema import OptimizerConfig
+from csrun.core.runner.models import build_model, check_model, make_loss
+from csrun.core.runner.optimizers import build_optimizer, check_optimizer
+from csrun.core.config.problems import ConfigError
 from pydantic import TypeAdapter
 
-from csrun.core.config import ModelConfig
+from csrun.core.config.schema import ModelConfig
 
 MODEL = TypeAdapter(ModelConfig)
 

@@ -5,13 +5,13 @@ import threading
 
 import pytest
 
-from csrun.core.checkpoint import CheckpointError
-from csrun.core.config import load_config_text
-from csrun.core.events import CheckpointSaved, Evaluated, Notice, RunStarted, StepLog
-from csrun.core.metrics import tensorboard_available
-from csrun.core.plots import plot_available
-from csrun.core.problems import ConfigError
-from csrun.core.runner import NonFiniteLoss, Outputs, train
+from csrun.core.runner.checkpoint import CheckpointError
+from csrun.core.config.schema import load_config_text
+from csrun.core.runner.events import CheckpointSaved, Evaluated, Notice, RunStarted, StepLog
+from csrun.core.runner.metrics import tensorboard_available
+from csrun.core.runner.plots import plot_available
+from csrun.core.config.problems import ConfigError
+from csrun.core.runner.session import NonFiniteLoss, Outputs, train
 
 TINY = """\
 strategy: {compute_devices: [CPU:0, CPU:1]}
@@ -113,7 +113,7 @@ def test_resume_refuses_another_config_and_starts_fresh_without_checkpoints(tmp_
 def test_options_that_cannot_work_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match="--resume needs a checkpoint directory"):
         run(resume=True)
-    monkeypatch.setattr("csrun.core.runner.plot_available", lambda: False)
+    monkeypatch.setattr("csrun.core.runner.session.plot_available", lambda: False)
     with pytest.raises(ConfigError, match="matplotlib"):
         run(outputs=Outputs(plot="x.png"))
 
@@ -128,8 +128,8 @@ def test_non_finite_loss_names_step_and_replica_and_keeps_the_checkpoint(tmp_pat
     assert "intact" in message
     manifests = sorted(tmp_path.glob("*.json"))
     assert manifests  # the last good checkpoint is still there and loads
-    from csrun.core.checkpoint import CheckpointManager
-    from csrun.core.runner import _identity
+    from csrun.core.runner.checkpoint import CheckpointManager
+    from csrun.core.runner.session import _identity
     cfg = config(*overrides)
     assert CheckpointManager(tmp_path, 3, _identity(cfg, 2)).load_latest() is not None
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from .problems import ConfigError, Problem, did_you_mean
+from ..config.problems import ConfigError, Problem, did_you_mean
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import OptimizerConfig, ScheduleConfig
+    from ..config.schema import OptimizerConfig, ScheduleConfig
 
 __all__ = ["optimizer_names", "schedule_names", "build_optimizer", "build_schedule",
            "check_optimizer"]

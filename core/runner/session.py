@@ -13,8 +13,8 @@ Uses only csrun's public strategy API, as a user script would::
 ``step_fn`` divides each replica's summed loss by the *global* batch size, so the summed
 gradients are those of the global-batch mean, whatever the replica count.
 
-The runner never prints: it reports :mod:`csrun.core.events` to ``on_event`` and returns a
-:class:`~csrun.core.events.RunResult`.
+The runner never prints: it reports :mod:`csrun.core.runner.events` to ``on_event`` and returns a
+:class:`~csrun.core.runner.events.RunResult`.
 
 Example::
 
@@ -37,10 +37,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from . import CentralStorageStrategy, InputOptions, InputReplicationMode, StrategyOptions
+from ..distribute import CentralStorageStrategy, InputOptions, InputReplicationMode, StrategyOptions
 from .checkpoint import CheckpointError, CheckpointManager
-from .config import RunConfig, load_config
-from .datasets import Pipeline, load_source, split_holdout
+from ..config.schema import RunConfig, load_config
+from ..data.datasets import Pipeline, load_source, split_holdout
 from .digests import params_sha256
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
@@ -49,7 +49,7 @@ from .models import build_model, count_parameters, make_loss, resolve_loss
 from .optimizers import build_optimizer, build_schedule
 from .plots import plot_available, write_plot
 from .preflight import check_writable
-from .problems import ConfigError, Problem
+from ..config.problems import ConfigError, Problem
 
 __all__ = ["train", "train_from_file", "RunError", "NonFiniteLoss", "Outputs", "Session",
            "run_session", "stop_on_signals"]
@@ -95,14 +95,14 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
           stop: threading.Event | None = None) -> RunResult:
     """Train ``config``; checkpoint, evaluate the holdout, and report. With
     ``strategy.kind: parameter_server``, play this process's task of the cluster
-    (:mod:`csrun.core.cluster_runner`).
+    (:mod:`csrun.core.runner.cluster_role`).
 
     Args:
-      config: a validated config (:func:`csrun.core.config.load_config`).
+      config: a validated config (:func:`csrun.core.config.schema.load_config`).
       resume: continue from the newest checkpoint in ``checkpoint.dir`` (from the start
         when there is none); ends bit-for-bit where an uninterrupted run ends.
       outputs: optional metric, plot and TensorBoard files.
-      on_event: called with each event of :mod:`csrun.core.events`.
+      on_event: called with each event of :mod:`csrun.core.runner.events`.
       stop: set it to stop after the current step, save a checkpoint and return with
         status ``"interrupted"``. In the main thread, Ctrl-C and SIGTERM set it (twice:
         abort).
@@ -124,7 +124,7 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
     emit = on_event or (lambda event: None)
     with stop_on_signals(stop, received), _engine_warnings(on_event):
         if config.strategy.kind == "parameter_server":  # one task of a cluster
-            from .cluster_runner import run_task
+            from .cluster_role import run_task
             result = run_task(config, resume, outputs, emit, stop)
         else:
             result = run_session(Session(config, outputs, emit), resume, stop)
@@ -305,7 +305,7 @@ class Session:
     """One call of :func:`train`: the strategy, model, data and the loop's state.
 
     ``strategy`` defaults to the config's CentralStorageStrategy; a cluster task passes
-    its ParameterServerStrategy (:mod:`csrun.core.cluster_runner` subclasses this).
+    its ParameterServerStrategy (:mod:`csrun.core.runner.cluster_role` subclasses this).
     """
 
     def __init__(self, config: RunConfig, outputs: Outputs, emit: Callable[[Any], None],

@@ -1,7 +1,7 @@
 """One task of a parameter-server job, as ``csrun train`` runs it.
 
 Every task runs the same config; its cluster and task come from ``strategy.cluster`` /
-``strategy.task`` or ``TF_CONFIG`` (:mod:`csrun.core.cluster_config`), and its role from
+``strategy.task`` or ``TF_CONFIG`` (:mod:`csrun.core.config.cluster`), and its role from
 the ``ParameterServerStrategy`` built from them:
 
 * a **ps** task serves its share of the variables until the chief ends the job
@@ -16,7 +16,7 @@ the ``ParameterServerStrategy`` built from them:
 
 Non-chief workers wait until the chief has initialized (or restored) the variables, as
 TF's workers wait for the chief's session. A ps that dies stops the workers with a
-:class:`~csrun.core.runner.RunError` (exit 1) that names the last checkpoint, intact.
+:class:`~csrun.core.runner.session.RunError` (exit 1) that names the last checkpoint, intact.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint import CheckpointManager
-from .cluster_config import cluster_resolver
+from ..config.cluster import cluster_resolver
 from .events import Evaluated, Notice, RunResult, RunStarted
-from .parameter_server import ParameterServerError
-from .parameter_server_strategy import ParameterServerStrategy
-from .runner import Outputs, RunError, Session, run_session
-from .strategy import StrategyOptions
+from ..cluster.parameter_server import ParameterServerError
+from ..cluster.parameter_server_strategy import ParameterServerStrategy
+from .session import Outputs, RunError, Session, run_session
+from ..distribute.strategy import StrategyOptions
 
 __all__ = ["run_task", "connect", "ClusterSession", "ClusterJoined", "ClusterRunResult",
            "ServeResult"]

@@ -12,13 +12,13 @@ import os
 import pathlib
 from typing import Any
 
-from .datasets import Pipeline, SourceData, load_source, source_bytes, split_holdout
-from .device_lib import memory_bytes
-from .devices import (DeviceError, default_compute_devices, default_parameter_device,
+from ..data.datasets import Pipeline, SourceData, load_source, source_bytes, split_holdout
+from ..distribute.device_lib import memory_bytes
+from ..distribute.devices import (DeviceError, default_compute_devices, default_parameter_device,
                       resolve_device)
 from .models import check_model, model_bytes
 from .optimizers import check_optimizer
-from .problems import ConfigError, Problem
+from ..config.problems import ConfigError, Problem
 
 __all__ = ["preflight", "replica_count", "check_devices", "check_checkpoint_dir",
            "check_writable"]

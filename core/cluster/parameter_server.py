@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .cluster import ClusterResolver
+from .resolvers import ClusterResolver
 
 __all__ = ["ParameterServer", "ParameterServerClient", "ParameterServerError", "placement"]
 

@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .cluster import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
-from .devices import LogicalDevice, resolve_devices
+from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
+from ..distribute.devices import LogicalDevice, resolve_devices
 from .parameter_server import ParameterServer, ParameterServerClient, placement
-from .parameters import ParameterStore
-from .strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
+from ..distribute.parameters import ParameterStore
+from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
 
 __all__ = ["ParameterServerStrategy"]
 

@@ -1,7 +1,7 @@
 """``docs/config.md``, generated from the config models (their docstrings and field
 descriptions), so the reference cannot drift from the code.
 
-Regenerate with ``python -m csrun.core.config_reference docs/config.md``; a test fails
+Regenerate with ``python -m csrun.core.config.reference docs/config.md``; a test fails
 when the committed file is stale.
 """
 
@@ -17,14 +17,14 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from .config import RunConfig
+from .schema import RunConfig
 
 __all__ = ["render_reference", "main"]
 
 _HEADER = """\
 # Config reference
 
-<!-- Generated from csrun/core/config.py by `python -m csrun.core.config_reference
+<!-- Generated from csrun/core/config.py by `python -m csrun.core.config.reference
 docs/config.md`. Do not edit by hand: tests/unit/test_config_reference.py fails when it
 is stale. -->
 

@@ -5,7 +5,7 @@ A config is a YAML file with six sections (``strategy``, ``dataset``, ``model``,
 (dotted paths, values parsed as YAML). Precedence: **override > file > default**.
 
 Every field is documented with ``Field(description=...)``; ``docs/config.md`` is generated
-from these models (:mod:`csrun.core.config_reference`). Unknown keys are rejected.
+from these models (:mod:`csrun.core.config.reference`). Unknown keys are rejected.
 
 Example::
 
@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue,
                       ValidationError)
 
-from .cluster import is_address
+from ..cluster.resolvers import is_address
 from .problems import ConfigError, Problem
 from .safe_yaml import MAX_BYTES, YamlDocument, load_yaml
 
@@ -500,8 +500,8 @@ def load_config_text(text: str, file: str | None = None, overrides: Sequence[str
     problems = _apply_overrides(data, overrides, origins)
     sections, found = _validate(data)
     problems += found
-    from .cluster_config import cluster_problems
-    from .preflight import preflight  # it imports the data and model modules
+    from .cluster import cluster_problems
+    from ..runner.preflight import preflight  # it imports the data and model modules
     reported = {p.path for p in problems}
     problems += [p for p in preflight(sections) + cluster_problems(sections, environ)
                  if not _explained(p.path, reported)]

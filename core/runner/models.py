@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .datasets import import_object
-from .problems import ConfigError, Problem
+from ..data.datasets import import_object
+from ..config.problems import ConfigError, Problem
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import ModelConfig
+    from ..config.schema import ModelConfig
 
 __all__ = ["build_model", "resolve_loss", "make_loss", "check_model", "count_parameters",
            "model_bytes", "LOSSES"]

@@ -23,8 +23,8 @@ import json
 import os
 from typing import Any, Mapping
 
-from .cluster import ClusterError, ClusterSpec, SimpleClusterResolver
-from .devices import DeviceError, resolve_devices
+from ..cluster.resolvers import ClusterError, ClusterSpec, SimpleClusterResolver
+from ..distribute.devices import DeviceError, resolve_devices
 from .problems import ConfigError, Problem
 
 __all__ = ["cluster_problems", "cluster_resolver", "TF_CONFIG_ORIGIN", "TRAINING_JOBS"]

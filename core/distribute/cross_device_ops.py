@@ -1,6 +1,6 @@
 """Collectives between the replicas of one ``run``: all_reduce, all_gather, merge_call.
 
-Each collective is a rendezvous of :class:`~csrun.core.replica_run.ReplicaRun`: every
+Each collective is a rendezvous of :class:`~csrun.core.distribute.replica_run.ReplicaRun`: every
 replica hands in its value, the last one to arrive combines them on the parameter device,
 and each replica receives its own copy on its own device. ``all_reduce`` and
 ``all_gather`` are differentiable: their backward pass is itself a collective, so every

@@ -36,9 +36,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .config import RunConfig, load_config
+from ..config.schema import RunConfig, load_config
 from .preflight import check_writable
-from .problems import ConfigError, Problem
+from ..config.problems import ConfigError, Problem
 
 __all__ = ["LaunchPlan", "LaunchResult", "TaskStarted", "TaskOutput", "TaskExited",
            "plan_launch", "launch", "tf_config", "describe_exit", "MAX_TASKS"]
@@ -279,7 +279,7 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
       on_event: hears :class:`TaskStarted`, :class:`TaskOutput` and :class:`TaskExited`.
       stop: set it to stop the job cleanly: the signal named first in ``received``
         (default SIGTERM) goes to every task. A KeyboardInterrupt while waiting (a
-        second Ctrl-C, with :func:`csrun.core.runner.stop_on_signals`) kills them.
+        second Ctrl-C, with :func:`csrun.core.runner.session.stop_on_signals`) kills them.
     """
     emit = on_event or (lambda event: None)
     stop = stop or threading.Event()

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .problems import ConfigError, Problem
+from ..config.problems import ConfigError, Problem
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .config import DatasetConfig
+    from ..config.schema import DatasetConfig
 
 __all__ = ["SourceData", "load_source", "source_bytes", "split_holdout", "Pipeline",
            "import_object", "derive_seed"]
@@ -141,7 +141,7 @@ def _synthetic(source) -> SourceData:
 
 
 def _digits(source) -> SourceData:
-    with importlib.resources.files("csrun.core").joinpath("data/digits.npz").open("rb") as f:
+    with importlib.resources.files("csrun.core.data").joinpath("digits.npz").open("rb") as f:
         arrays = np.load(f, allow_pickle=False)
         images, labels = arrays["images"], arrays["labels"]
     x = torch.tensor(images, dtype=torch.float32)
@@ -251,7 +251,7 @@ def _column_index(column: int | str, header: list[str], width: int) -> int:
     if isinstance(column, str):
         if column in header:
             return header.index(column)
-        from .problems import did_you_mean
+        from ..config.problems import did_you_mean
         raise _source_error("target_column", f"no column named {column!r}",
                             did_you_mean(column, header) or (f"columns: {', '.join(header)}"
                                                              if header else "the file has "
@@ -341,7 +341,7 @@ def import_object(target: str, field: str) -> Any:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            from .problems import did_you_mean
+            from ..config.problems import did_you_mean
             names = [n for n in dir(obj) if not n.startswith("_")]
             raise ConfigError([Problem(field, f"module {module_name!r} has no {attr!r}",
                                        did_you_mean(part, names))])

@@ -1,0 +1,16 @@
+"""The parameter-server cluster: resolvers, the ps transport, server and client, and
+``ParameterServerStrategy``. Imports only from :mod:`csrun.core.distribute` below it.
+"""
+
+from .parameter_server_strategy import ParameterServerStrategy
+from .resolvers import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
+                        TFConfigClusterResolver, TorchrunClusterResolver)
+
+__all__ = [
+    "ClusterResolver",
+    "ClusterSpec",
+    "SimpleClusterResolver",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
+    "ParameterServerStrategy",
+]
