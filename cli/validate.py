@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.config.schema import load_config
+from csrun.core.runner.preflight import load_config
 
 from .outcomes import reporting
 from .render import View, write_json

@@ -24,7 +24,7 @@ __all__ = ["render_reference", "main"]
 _HEADER = """\
 # Config reference
 
-<!-- Generated from csrun/core/config.py by `python -m csrun.core.config.reference
+<!-- Generated from csrun/core/config/schema.py by `python -m csrun.core.config.reference
 docs/config.md`. Do not edit by hand: tests/unit/test_config_reference.py fails when it
 is stale. -->
 

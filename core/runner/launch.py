@@ -36,7 +36,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ..config.schema import RunConfig, load_config
+from ..config.schema import RunConfig
+from .preflight import load_config
 from .preflight import check_writable
 from ..config.problems import ConfigError, Problem
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.datasets import import_object
+from ..config.targets import import_object
+from ..config.schema import ModelConfig
 from ..config.problems import ConfigError, Problem
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..config.schema import ModelConfig
 
 __all__ = ["build_model", "resolve_loss", "make_loss", "check_model", "count_parameters",
            "model_bytes", "LOSSES"]

@@ -9,14 +9,13 @@ Example::
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
+from ..config.schema import OptimizerConfig, ScheduleConfig
 from ..config.problems import ConfigError, Problem, did_you_mean
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..config.schema import OptimizerConfig, ScheduleConfig
 
 __all__ = ["optimizer_names", "schedule_names", "build_optimizer", "build_schedule",
            "check_optimizer"]

@@ -10,18 +10,39 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
+from typing import Any, Mapping, Sequence
 
-from ..data.datasets import Pipeline, SourceData, load_source, source_bytes, split_holdout
+from ..data.pipeline import Pipeline
+from ..data.sources import SourceData, load_source, source_bytes, split_holdout
 from ..distribute.device_lib import memory_bytes
 from ..distribute.devices import (DeviceError, default_compute_devices, default_parameter_device,
                       resolve_device)
 from .models import check_model, model_bytes
 from .optimizers import check_optimizer
+from ..config.loading import read_config, read_config_text
 from ..config.problems import ConfigError, Problem
+from ..config.schema import RunConfig
 
-__all__ = ["preflight", "replica_count", "check_devices", "check_checkpoint_dir",
+__all__ = ["load_config", "load_config_text", "preflight", "replica_count", "check_devices", "check_checkpoint_dir",
            "check_writable"]
+
+
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (), *,
+                environ: Mapping[str, str] | None = None) -> RunConfig:
+    """Read, override and validate a config file, and check it against this machine.
+
+    :func:`csrun.core.config.loading.read_config` with the :func:`preflight` checks.
+
+    Raises:
+      ConfigError: every problem found, each with its dotted path, ``file:line`` and hint.
+    """
+    return read_config(path, overrides, environ=environ, checks=(preflight,))
+
+
+def load_config_text(text: str, file: str | None = None, overrides: Sequence[str] = (), *,
+                     environ: Mapping[str, str] | None = None) -> RunConfig:
+    """:func:`load_config` for YAML text (``file`` names it in messages)."""
+    return read_config_text(text, file, overrides, environ=environ, checks=(preflight,))
 
 
 def preflight(sections: dict[str, Any]) -> list[Problem]:

@@ -39,8 +39,10 @@ import torch
 
 from ..distribute import CentralStorageStrategy, InputOptions, InputReplicationMode, StrategyOptions
 from .checkpoint import CheckpointError, CheckpointManager
-from ..config.schema import RunConfig, load_config
-from ..data.datasets import Pipeline, load_source, split_holdout
+from ..config.schema import RunConfig
+from .preflight import load_config
+from ..data.pipeline import Pipeline
+from ..data.sources import load_source, split_holdout
 from .digests import params_sha256
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
@@ -98,7 +100,7 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
     (:mod:`csrun.core.runner.cluster_role`).
 
     Args:
-      config: a validated config (:func:`csrun.core.config.schema.load_config`).
+      config: a validated config (:func:`csrun.core.runner.preflight.load_config`).
       resume: continue from the newest checkpoint in ``checkpoint.dir`` (from the start
         when there is none); ends bit-for-bit where an uninterrupted run ends.
       outputs: optional metric, plot and TensorBoard files.

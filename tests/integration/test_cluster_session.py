@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from csrun.core.runner.cluster_role import ClusterSession, connect, run_task
-from csrun.core.config.schema import load_config_text
+from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.launch import free_ports
 from csrun.core.runner.session import Outputs, Session
 

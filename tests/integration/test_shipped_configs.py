@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from csrun.core.config.schema import load_config
+from csrun.core.runner.preflight import load_config
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.session import train
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from csrun.cli.main import app
 from csrun.core.runner.checkpoint import CheckpointError, CheckpointManager
-from csrun.core.config.schema import load_config_text
+from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.session import train
 from csrun_processes import TINY
 

@@ -105,7 +105,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(point, csrun
 
 
 def _identity_of(config_path: Path) -> dict:
-    from csrun.core.config.schema import load_config
+    from csrun.core.runner.preflight import load_config
     from csrun.core.runner.session import _identity
     config = load_config(config_path, LONG)
     return _identity(config, len(config.strategy.compute_devices))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import csrun.core.data.datasets as datasets
+import csrun.core.data.sources as sources
 from broken_configs import VALID, block_yaml
 from csrun.cli.main import app
 
@@ -182,7 +182,7 @@ def test_an_unreadable_data_file(tmp_path, validate, monkeypatch):
             if Path(file) == path:
                 raise PermissionError(errno.EACCES, "Permission denied", str(file))
             return real_open(file, *args, **kwargs)
-        monkeypatch.setattr(datasets, "open", refusing, raising=False)
+        monkeypatch.setattr(sources, "open", refusing, raising=False)
     outcome = validate(_config(tmp_path), *_override(path, "npz"))
     assert outcome.exit_code == 2
     assert "cannot read" in outcome.problems[0]["message"] and \

@@ -17,12 +17,13 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-import csrun.core.data.datasets as datasets
+import csrun.core as core
+import csrun.core.config.targets as targets
 from csrun.cli.main import app
 from csrun.core.runner.digests import file_sha256
 from csrun_processes import TINY
 
-SOURCES = sorted((Path(datasets.__file__).parent).glob("*.py")) + \
+SOURCES = sorted((Path(core.__file__).parent).rglob("*.py")) + \
     sorted((Path(sys.modules["csrun.cli.main"].__file__).parent).glob("*.py"))
 RUN = ["checkpoint.dir=ck", "train.steps=4"]
 
@@ -109,7 +110,7 @@ def test_the_source_never_loads_unsafely(source):
     for call in _calls(tree, "np.load"):
         assert "allow_pickle=True" not in ast.unparse(call)
     imports = _calls(tree, "import_module") + _calls(tree, "spec_from_file_location")
-    if source.name != "datasets.py":
+    if source.name != "targets.py":
         assert imports == [], f"{source.name} imports by name"
     else:  # in import_object only, with the config's "package.module:name"
         functions = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
@@ -204,12 +205,12 @@ def test_model_and_map_imports_come_only_from_the_config(folder, monkeypatch):
         "    def __init__(self):\n        super().__init__(torch.nn.Linear(6, 3))\n")
     (folder / "planted_map.py").write_text("def double(x, y):\n    return 2 * x, y\n")
     imported = []
-    real = datasets.importlib.import_module
+    real = targets.importlib.import_module
 
     def recording(name, *args, **kwargs):
         imported.append(name)
         return real(name, *args, **kwargs)
-    monkeypatch.setattr(datasets.importlib, "import_module", recording)
+    monkeypatch.setattr(targets.importlib, "import_module", recording)
     overrides = ["model={kind: import, target: 'planted_model:Net'}",
                  "dataset.steps.2={op: map, fn: 'planted_map:double'}", *RUN]
     for resume in ([], ["--resume"]):

@@ -18,7 +18,7 @@ from rich.console import Console
 from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 from csrun.cli.render import View
-from csrun.core.config.schema import load_config_text
+from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.events import StepDone
 from csrun.core.runner.session import Outputs, train
 from csrun_processes import TINY

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import injected_faults
 from csrun.cli.main import app
 from csrun.core.runner.checkpoint import CheckpointManager
-from csrun.core.config.schema import load_config
+from csrun.core.runner.preflight import load_config
 from csrun.core.runner.session import _identity
 
 CONFIG = """\

@@ -5,7 +5,9 @@ import time
 
 import pytest
 
-from csrun.core.config.schema import RunConfig, load_config, load_config_text, parse_override
+from csrun.core.config.overrides import parse_override
+from csrun.core.config.schema import RunConfig
+from csrun.core.runner.preflight import load_config, load_config_text
 from csrun.core.config.problems import ConfigError, did_you_mean
 
 BASE = textwrap.dedent("""\

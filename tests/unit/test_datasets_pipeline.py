@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from csrun.core.config.schema import DatasetConfig
-from csrun.core.data.datasets import Pipeline, load_source, split_holdout
+from csrun.core.data.pipeline import Pipeline
+from csrun.core.data.sources import load_source, split_holdout
 from csrun.core.config.problems import ConfigError
 
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from csrun.core.runner.checkpoint import CheckpointError
-from csrun.core.config.schema import load_config_text
+from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.events import CheckpointSaved, Evaluated, Notice, RunStarted, StepLog
 from csrun.core.runner.metrics import tensorboard_available
 from csrun.core.runner.plots import plot_available

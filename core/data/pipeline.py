@@ -1,0 +1,322 @@
+"""The input pipeline of a run: a source, ``tf.data``-style steps, a ``DataLoader``.
+
+The steps compile into an *index plan*: for each epoch, a deterministic sequence of
+batches of example indices (shuffle, repeat, take, skip, shard and batch act on indices
+only). A ``torch.utils.data.DataLoader`` takes the plan as its ``batch_sampler`` and loads
+the examples (in worker processes when ``dataset.workers > 0``, into pinned memory for
+GPUs), applying ``map``/``normalize`` there. Because the plan is cheap to recompute, a run
+resumes mid-epoch by skipping plan entries, without reading the skipped data.
+
+Example::
+
+    data = load_source(config.dataset.source)
+    pipeline = Pipeline(config.dataset, data, data.indices(), seed=0)
+    for x, y in pipeline.loader(epoch=0):
+        ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..config.problems import ConfigError, Problem
+from ..config.schema import DatasetConfig
+from ..config.targets import import_object
+from .sources import SourceData, derive_seed
+
+__all__ = ["Pipeline", "ExampleSet"]
+
+
+# -- element and batch transforms (picklable, for worker processes) ------------------------
+class _Normalize:
+    def __init__(self, mean: Any, std: Any, example_shape: tuple):
+        self.mean = _per_feature(mean, example_shape)
+        self.std = _per_feature(std, example_shape)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor):
+        return (x - self.mean) / self.std, y
+
+
+def _per_feature(value: Any, example_shape: tuple) -> torch.Tensor:
+    if isinstance(value, (int, float)):
+        return torch.tensor(float(value))
+    return torch.tensor(value, dtype=torch.float32).reshape(example_shape)
+
+
+class _Map:
+    """``map`` step: the function is imported by name in each worker (so it pickles)."""
+
+    def __init__(self, target: str, kwargs: dict, field: str):
+        self.target, self.kwargs, self.field = target, dict(kwargs), field
+        self._fn: Callable | None = None
+
+    def __getstate__(self):
+        return {"target": self.target, "kwargs": self.kwargs, "field": self.field, "_fn": None}
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor):
+        if self._fn is None:
+            self._fn = import_object(self.target, self.field)
+        result = self._fn(x, y, **self.kwargs)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(f"map function {self.target} must return (x, y), got "
+                            f"{type(result).__name__}")
+        return result
+
+
+class ExampleSet(torch.utils.data.Dataset):
+    """Map-style dataset over the source; ``__getitems__`` loads a whole batch at once."""
+
+    def __init__(self, data: SourceData, element_fns: list, batch_fns: list):
+        self.features, self.targets = data.features, data.targets
+        self.element_fns, self.batch_fns = element_fns, batch_fns
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+    def __getitem__(self, index: int):
+        x, y = self.features[index], self.targets[index]
+        for fn in self.element_fns:
+            x, y = fn(x, y)
+        return x, y
+
+    def __getitems__(self, indices: Sequence[int]):
+        if self.element_fns:
+            pairs = [self[i] for i in indices]
+            x = torch.stack([p[0] for p in pairs])
+            y = torch.stack([p[1] for p in pairs])
+        else:
+            index = torch.as_tensor(indices, dtype=torch.int64)
+            x, y = self.features[index], self.targets[index]
+        for fn in self.batch_fns:
+            x, y = fn(x, y)
+        return x, y
+
+
+def _as_is(batch):
+    return batch
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; numpy and random follow it
+    seed = torch.initial_seed() % (1 << 32)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+# -- the index plan ---------------------------------------------------------------------------
+def _shuffled(stream: Iterator, buffer: int, seed: int) -> Iterator:
+    """``tf.data`` buffered shuffle: yield a random element of a ``buffer``-sized window."""
+    rng = np.random.default_rng(seed)
+    draws: list = []
+    window: list = []
+    for item in stream:
+        if len(window) < buffer:
+            window.append(item)
+            continue
+        if not draws:
+            draws = rng.random(1024).tolist()
+        j = int(draws.pop() * buffer)
+        yield window[j]
+        window[j] = item
+    while window:
+        if not draws:
+            draws = rng.random(1024).tolist()
+        j = int(draws.pop() * len(window))
+        yield window[j]
+        window[j] = window[-1]
+        window.pop()
+
+
+def _batched(stream: Iterator, size: int, drop_remainder: bool) -> Iterator[list]:
+    while True:
+        batch = list(itertools.islice(stream, size))
+        if not batch or (drop_remainder and len(batch) < size):
+            return
+        yield batch
+
+
+def _repeated(upstream: Callable, iteration: tuple, count: int | None) -> Iterator:
+    r = 0
+    while count is None or r < count:
+        empty = True
+        for item in upstream(iteration + (r,)):
+            empty = False
+            yield item
+        if empty:  # repeating nothing forever would hang; TF ends here too
+            return
+        r += 1
+
+
+class Pipeline:
+    """The compiled ``dataset`` section over the training examples ``indices``.
+
+    Args:
+      config: the ``dataset`` section.
+      data: the loaded source.
+      indices: which examples of ``data`` the pipeline starts from (the non-held-out ones).
+      seed: ``train.seed`` (the default seed of shuffles, and the workers' seeds).
+
+    Raises:
+      ConfigError: every problem of the steps (no batch step, bad map function, ...).
+    """
+
+    def __init__(self, config: "DatasetConfig", data: SourceData, indices: torch.Tensor,
+                 seed: int):
+        self.config, self.data, self.seed = config, data, seed
+        self.indices = [int(i) for i in indices]
+        self.batch_size: int | None = None
+        self.prefetch = 1
+        self.infinite = False
+        self._ops: list = []
+        element_fns: list = []
+        batch_fns: list = []
+        problems: list[Problem] = []
+        for k, step in enumerate(config.steps):
+            problems += self._compile(k, step, batch_fns if self.batch_size else element_fns)
+        if self.batch_size is None:
+            problems.append(Problem("dataset.steps", "no batch step", "add "
+                                    "{op: batch, size: 32} (the global batch size)"))
+        if problems:
+            raise ConfigError(problems)
+        self.dataset = ExampleSet(data, element_fns, batch_fns)
+
+    def _compile(self, k: int, step, fns: list) -> list[Problem]:
+        field = f"dataset.steps.{k}"
+        if step.op == "batch" and self.batch_size is not None:
+            return [Problem(field, "a second batch step", "batch once; steps after it act "
+                            "on whole batches")]
+        if step.op == "batch":
+            self.batch_size = step.size
+        elif step.op == "prefetch":
+            self.prefetch = step.buffer
+            return []
+        elif step.op == "normalize":
+            return self._compile_normalize(field, step, fns)
+        elif step.op == "map":
+            try:
+                import_object(step.fn, f"{field}.fn")
+            except ConfigError as exc:
+                return exc.problems
+            fns.append(_Map(step.fn, step.kwargs, f"{field}.fn"))
+            return []
+        elif step.op == "shard" and None not in (step.num_shards, step.index) \
+                and step.index >= step.num_shards:
+            return [Problem(f"{field}.index", f"index {step.index} is not below num_shards "
+                            f"{step.num_shards}", f"use 0..{step.num_shards - 1}")]
+        if step.op == "repeat" and step.count is None:
+            self.infinite = True
+        elif step.op == "take":
+            self.infinite = False
+        self._ops.append((k, step))
+        return []
+
+    def _compile_normalize(self, field: str, step, fns: list) -> list[Problem]:
+        shape = self.data.feature_shape
+        size = int(np.prod(shape)) if shape else 1
+        problems = []
+        for name in ("mean", "std"):
+            value = getattr(step, name)
+            values = value if isinstance(value, list) else [value]
+            if isinstance(value, list) and len(value) != size:
+                problems.append(Problem(f"{field}.{name}", f"has {len(value)} values; the "
+                                        f"examples have {size} features",
+                                        "give one number, or one per feature"))
+            if name == "std" and any(v <= 0 for v in values):
+                problems.append(Problem(f"{field}.std", "must be positive"))
+        if not problems:
+            fns.append(_Normalize(step.mean, step.std, shape))
+        return problems
+
+    # -- plans -------------------------------------------------------------------------
+    def plan(self, epoch: int, pipelines: int = 1, pipeline_id: int = 0,
+             batch_size: int | None = None) -> Iterator[list[int]]:
+        """The batches of example indices of pass ``epoch`` (deterministic).
+
+        ``pipelines``/``pipeline_id`` resolve ``shard`` steps left to the InputContext;
+        ``batch_size`` replaces the batch step's size (per-replica batches).
+        """
+        stream: Callable = lambda iteration: iter(self.indices)  # noqa: E731
+        for k, step in self._ops:
+            stream = self._stage(stream, k, step, (pipelines, pipeline_id), batch_size)
+        return stream((epoch,))
+
+    def _stage(self, up: Callable, k: int, step, context: tuple, batch_size) -> Callable:
+        if step.op == "shuffle":
+            seed = self.seed if step.seed is None else step.seed
+
+            def shuffle(it):
+                key = it if step.reshuffle_each_iteration else ()
+                return _shuffled(up(it), step.buffer, derive_seed(seed, 3, k, *key))
+            return shuffle
+        if step.op == "batch":
+            size = batch_size or step.size
+            return lambda it: _batched(up(it), size, step.drop_remainder)
+        if step.op == "repeat":
+            return lambda it: _repeated(up, it, step.count)
+        if step.op == "take":
+            return lambda it: itertools.islice(up(it), step.count)
+        if step.op == "skip":
+            return lambda it: itertools.islice(up(it), step.count, None)
+        shards = step.num_shards or context[0]
+        index = step.index if step.index is not None else context[1]
+        return lambda it: itertools.islice(up(it), index, None, shards)
+
+    def batches_per_epoch(self, pipelines: int = 1, pipeline_id: int = 0,
+                          batch_size: int | None = None) -> int | None:
+        """How many batches one pass yields; None when the pipeline repeats forever."""
+        if self.infinite:
+            return None
+        return sum(1 for _ in self.plan(0, pipelines, pipeline_id, batch_size))
+
+    def steps_per_epoch(self, replicas: int) -> int | None:
+        """Training steps in one pass, as the configured distribution consumes batches."""
+        if self.infinite:
+            return None
+        if self.config.distribute == "global":
+            return self.batches_per_epoch()
+        per_replica = self.batch_size // replicas
+        if self.config.replication == "per_worker":  # one pipeline deals `replicas` a step
+            return self.batches_per_epoch(1, 0, per_replica) // replicas
+        return min(self.batches_per_epoch(replicas, r, per_replica) for r in range(replicas))
+
+    # -- loaders -----------------------------------------------------------------------
+    def loader(self, epoch: int, skip: int = 0, *, pipelines: int = 1, pipeline_id: int = 0,
+               batch_size: int | None = None, pin_memory: bool = False):
+        """A DataLoader over pass ``epoch`` of the plan, after its first ``skip`` batches."""
+        sampler = _PlanSampler(self, epoch, skip, (pipelines, pipeline_id, batch_size))
+        return self._loader(sampler, derive_seed(self.seed, 2, epoch, pipeline_id), pin_memory)
+
+    def eval_loader(self, indices: torch.Tensor, batch_size: int, pin_memory: bool = False):
+        """A DataLoader over ``indices`` in order (the held-out examples), same transforms."""
+        order = [int(i) for i in indices]
+        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        return self._loader(batches, derive_seed(self.seed, 4), pin_memory)
+
+    def _loader(self, batch_sampler: Any, seed: int, pin_memory: bool):
+        workers = self.config.workers
+        extra = dict(worker_init_fn=_seed_worker, prefetch_factor=self.prefetch) \
+            if workers else {}
+        return torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=batch_sampler, collate_fn=_as_is, num_workers=workers,
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **extra)
+
+
+class _PlanSampler(torch.utils.data.Sampler):
+    """``batch_sampler`` of a DataLoader: one pass of the plan, resumable by ``skip``."""
+
+    def __init__(self, pipeline: Pipeline, epoch: int, skip: int, context: tuple):
+        self.pipeline, self.epoch, self.skip, self.context = pipeline, epoch, skip, context
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(self.pipeline.plan(self.epoch, *self.context), self.skip, None)
+
+    def __len__(self) -> int:
+        total = self.pipeline.batches_per_epoch(*self.context)
+        if total is None:
+            raise TypeError("the pipeline repeats forever; it has no length")
+        return max(0, total - self.skip)
