@@ -23,7 +23,9 @@ import json
 import os
 from typing import Any, Mapping
 
-from ..cluster.resolvers import ClusterError, ClusterSpec, SimpleClusterResolver
+from ..cluster.resolvers import (TF_CONFIG_SHAPE, ClusterError, ClusterProblem, ClusterSpec,
+                                 SimpleClusterResolver, cluster_spec_problems,
+                                 parse_tf_config, task_problems, training_problems)
 from ..distribute.devices import DeviceError, resolve_devices
 from .problems import ConfigError, Problem
 
@@ -31,8 +33,6 @@ __all__ = ["cluster_problems", "cluster_resolver", "TF_CONFIG_ORIGIN", "TRAINING
 
 TF_CONFIG_ORIGIN = "environment TF_CONFIG"
 TRAINING_JOBS = ("chief", "worker", "ps")
-_SHAPE = 'TF_CONFIG holds {"cluster": {"worker": [...], "ps": [...]}, "task": {"type": ' \
-         '"worker", "index": 0}}'
 
 
 def cluster_problems(sections: dict[str, Any], environ: Mapping[str, str] | None = None
@@ -83,9 +83,11 @@ def cluster_resolver(strategy: Any, environ: Mapping[str, str] | None = None
 
 def _resolve(strategy: Any, environ: Mapping[str, str]
              ) -> tuple[SimpleClusterResolver | None, list[Problem]]:
-    env_cluster, env_task, problems = _read_tf_config(environ.get("TF_CONFIG", ""))
-    if problems:
-        return None, problems
+    try:
+        env = parse_tf_config(environ.get("TF_CONFIG", ""))
+    except ClusterError as exc:
+        return None, _problems(exc.problems, TF_CONFIG_ORIGIN, TF_CONFIG_SHAPE)
+    env_cluster = _jobs(env.cluster) if env and env.cluster is not None else None
     mine = _jobs(strategy.cluster.model_dump()) if strategy.cluster is not None else None
     if mine is None and env_cluster is None:
         return None, [Problem(
@@ -100,46 +102,21 @@ def _resolve(strategy: Any, environ: Mapping[str, str]
             "give the cluster in one place: remove strategy.cluster (csrun launch sets "
             "TF_CONFIG itself), or unset TF_CONFIG")]
     spec, origin = (mine, None) if mine is not None else (env_cluster, TF_CONFIG_ORIGIN)
-    problems = _check_jobs(spec, origin)
-    task, task_problems = _task(strategy, env_task)
-    problems += task_problems
-    if problems or task is None:
-        return None, problems
-    problems = _check_task(spec, *task, origin=None if strategy.task else TF_CONFIG_ORIGIN)
-    if problems:
-        return None, problems
-    return SimpleClusterResolver(spec, *task), []
+    problems = _problems(_spec_problems(spec), origin)
+    task, missing = _task(strategy, env and env.task)
+    if problems or missing:
+        return None, problems + missing
+    problems = _problems(_task_problems(ClusterSpec(spec), *task),
+                         None if strategy.task else TF_CONFIG_ORIGIN)
+    return (None, problems) if problems else (SimpleClusterResolver(spec, *task), [])
 
 
-def _read_tf_config(text: str) -> tuple[dict | None, tuple | None, list[Problem]]:
-    """``TF_CONFIG``'s cluster (jobs -> addresses) and task ``(type, index)``; either is
-    None when absent."""
-    if not text.strip():
-        return None, None, []
-
-    def bad(message: str, path: str = "strategy.cluster") -> tuple:
-        return None, None, [Problem(path, message, _SHAPE, origin=TF_CONFIG_ORIGIN)]
-
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return bad(f"TF_CONFIG is not valid JSON ({exc.msg} at line {exc.lineno} column "
-                   f"{exc.colno})")
-    if not isinstance(config, dict):
-        return bad(f"TF_CONFIG must be a JSON object, got {type(config).__name__}")
-    cluster, task = config.get("cluster"), config.get("task")
-    if cluster is not None:
-        try:
-            cluster = _jobs(ClusterSpec(cluster).as_dict())
-        except (ClusterError, ValueError) as exc:
-            return bad(f"TF_CONFIG's cluster: {exc}")
-    if task is None or task == {}:
-        return cluster, None, []
-    if not isinstance(task, dict) or not isinstance(task.get("type"), str) or \
-            isinstance(task.get("index", 0), bool) or not isinstance(task.get("index", 0), int):
-        return bad(f"TF_CONFIG's task must be {{\"type\": \"worker\", \"index\": 0}}, got "
-                   f"{json.dumps(task)[:80]}", "strategy.task")
-    return cluster, (task["type"], task.get("index", 0)), []
+def _problems(found: list[ClusterProblem], origin: str | None, hint: str | None = None
+              ) -> list[Problem]:
+    """The cluster layer's problems as the config's: TF_CONFIG's ``cluster``/``task``
+    stand for ``strategy.cluster``/``strategy.task``."""
+    return [Problem(".".join(map(str, ("strategy",) + (p.path or ("cluster",)))), p.message,
+                    p.hint or hint, origin=origin) for p in found]
 
 
 def _jobs(cluster: dict) -> dict[str, list[str]]:
@@ -152,20 +129,13 @@ def _short(cluster: dict) -> str:
     return text if len(text) <= 120 else text[:119] + "…"
 
 
-def _check_jobs(spec: dict, origin: str | None) -> list[Problem]:
-    problems = []
-    if not spec.get("ps"):
-        problems.append(Problem("strategy.cluster.ps", "the cluster has no ps task: a "
-                                "parameter-server job needs at least one",
-                                "add a host:port under ps", origin=origin))
-    if len(spec.get("chief", [])) > 1:
-        problems.append(Problem("strategy.cluster.chief", "a cluster has at most one chief",
-                                "keep one; the other tasks can be workers", origin=origin))
-    if not spec.get("worker") and not spec.get("chief"):
-        problems.append(Problem("strategy.cluster.worker", "the cluster has no worker (and "
-                                "no chief) to train", "add a host:port under worker",
-                                origin=origin))
-    return problems
+def _spec_problems(spec: dict) -> list[ClusterProblem]:
+    """All that is wrong with a parameter-server job's cluster: its shape, no ps, no task
+    to train."""
+    needs_ps = [] if spec.get("ps") else [ClusterProblem(
+        ("cluster", "ps"), "the cluster has no ps task: a parameter-server job needs at "
+        "least one", "add a host:port under ps")]
+    return needs_ps + cluster_spec_problems(spec) + training_problems(spec)
 
 
 def _task(strategy: Any, env_task: tuple | None) -> tuple[tuple | None, list[Problem]]:
@@ -182,13 +152,8 @@ def _task(strategy: Any, env_task: tuple | None) -> tuple[tuple | None, list[Pro
     return mine or env_task, []
 
 
-def _check_task(spec: dict, job: str, index: int, origin: str | None) -> list[Problem]:
-    if job not in TRAINING_JOBS:
-        return [Problem("strategy.task.type", f"csrun runs no {job!r} task",
-                        f"tasks are {', '.join(TRAINING_JOBS)}", origin=origin)]
-    count = len(spec.get(job, []))
-    if not 0 <= index < count:
-        hint = f"use 0..{count - 1}" if count else f"the cluster lists no {job} task"
-        return [Problem("strategy.task.index", f"task {job}:{index} does not exist; the "
-                        f"cluster has {count} {job} task(s)", hint, origin=origin)]
-    return []
+def _task_problems(spec: ClusterSpec, job: str, index: int) -> list[ClusterProblem]:
+    if job not in TRAINING_JOBS:  # TF knows evaluators; csrun runs none
+        return [ClusterProblem(("task", "type"), f"csrun runs no {job!r} task",
+                               f"tasks are {', '.join(TRAINING_JOBS)}")]
+    return task_problems(spec, job, index)

@@ -78,18 +78,26 @@ def test_no_cluster_anywhere_says_how_to_give_one():
     assert "TF_CONFIG" in problem.message and "csrun launch" in problem.hint
 
 
-@pytest.mark.parametrize("value, says", [
-    ("{not json", "TF_CONFIG is not valid JSON (Expecting property name"),
-    ("[1, 2]", "TF_CONFIG must be a JSON object, got list"),
-    ('{"cluster": {"worker": ["nohost"], "ps": ["h:1"]}}', "must be 'host:port'"),
-    ('{"cluster": {"workers": ["h:1"], "ps": ["h:2"]}}', "unknown job 'workers'"),
+SHAPE = "TF_CONFIG holds"
+
+
+@pytest.mark.parametrize("value, path, says, hint", [
+    ("{not json", "strategy.cluster", "TF_CONFIG is not valid JSON (Expecting property name",
+     SHAPE),
+    ("[1, 2]", "strategy.cluster", "TF_CONFIG must be a JSON object, got list", SHAPE),
+    ('{"cluster": {"worker": ["nohost"], "ps": ["h:1"]}}', "strategy.cluster.worker.0",
+     "must be 'host:port'", SHAPE),
+    ('{"cluster": {"workers": ["h:1"], "ps": ["h:2"]}}', "strategy.cluster.workers",
+     "unknown job 'workers'", "did you mean 'worker'?"),
     ('{"cluster": {"worker": ["h:1"], "ps": ["h:2"]}, "task": {"type": "worker", '
-     '"index": "1"}}', "TF_CONFIG's task must be"),
+     '"index": "1"}}', "strategy.task", 'must be {"type": "worker", "index": 0}', SHAPE),
 ])
-def test_malformed_tf_config_names_tf_config_not_the_file(value, says):
+def test_malformed_tf_config_names_tf_config_not_the_file(value, path, says, hint):
+    # the path points into TF_CONFIG (its cluster/task standing for strategy.cluster/task)
     (problem,) = problems(environ={"TF_CONFIG": value})
     assert problem.origin == TF_CONFIG_ORIGIN and problem.where == "environment TF_CONFIG"
-    assert says in problem.message and problem.hint.startswith("TF_CONFIG holds")
+    assert problem.path == path and says in problem.message
+    assert problem.hint.startswith(hint)
 
 
 def test_task_out_of_range_from_tf_config():
