@@ -5,8 +5,8 @@ central parameter store, variables, replica execution, devices, and the coalesce
 copies. It imports nothing from the other layers of ``csrun.core``.
 """
 
-from .context import (ReplicaContext, get_cross_replica_context, get_replica_context,
-                      get_strategy, has_strategy, in_cross_replica_context)
+from .context import (ReplicaContext, get_cross_replica_context, has_strategy,
+                      in_cross_replica_context)
 from .devices import (DeviceError, LogicalDevice, canonical_name, local_devices,
                       logical_cpu_count, set_logical_cpu_count)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
@@ -16,7 +16,7 @@ from .parameters import get_aggregation, set_aggregation
 from .reduce import ReduceOp
 from .replica_run import ReplicaAborted
 from .strategy import (CentralStorageStrategy, ParameterServerStrategyExtended, RunOptions,
-                       Strategy, StrategyOptions)
+                       Strategy, StrategyOptions, get_replica_context, get_strategy)
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import Variable, VariableAggregation, VariableSynchronization
 

@@ -9,27 +9,30 @@ TF's model, kept as is:
 * inside ``merge_call``'s ``merge_fn``: cross-replica context again.
 
 The state is thread-local, as in TF: each replica thread sees its own replica context.
+
+The stack knows no default strategy: ``get_strategy`` and ``get_replica_context``, which
+answer with it outside any scope, live with it in ``strategy.py`` (this module stays below
+the strategy, so the two never import each other).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .strategy import Strategy
+from .reduce import ReduceOp
 
 __all__ = [
-    "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
-    "get_replica_context",
     "get_cross_replica_context",
     "ReplicaContext",
     "cross_replica_required",
+    "Entry",
 ]
 
-class _Entry:
+
+class Entry:
     """One level of the context stack: a strategy and, in replica context, its replica."""
 
     __slots__ = ("strategy", "replica", "serving")
@@ -40,7 +43,7 @@ class _Entry:
         self.serving = serving  # the replica's parameter view (see parameters.py)
 
 
-_BOTTOM = _Entry(None)
+_BOTTOM = Entry(None)
 
 
 class _ThreadContext(threading.local):
@@ -55,18 +58,18 @@ class _ThreadContext(threading.local):
 _tls = _ThreadContext()
 
 
-def current_entry() -> _Entry:
+def current_entry() -> Entry:
     """The innermost context entry of this thread."""
     return _tls.stack[-1]
 
 
-def push(entry: _Entry) -> None:
+def push(entry: Entry) -> None:
     tls = _tls
     tls.stack.append(entry)
     tls.serving = entry.serving
 
 
-def pop(entry: _Entry) -> None:
+def pop(entry: Entry) -> None:
     tls = _tls
     stack = tls.stack
     if stack[-1] is not entry:  # pragma: no cover - guards misuse of the internals
@@ -80,15 +83,6 @@ def current_serving():
     return _tls.serving
 
 
-def get_strategy() -> "Strategy":
-    """The current strategy: the one whose scope or run we are in, else the default one."""
-    strategy = current_entry().strategy
-    if strategy is None:
-        from .strategy import default_strategy
-        return default_strategy()
-    return strategy
-
-
 def has_strategy() -> bool:
     """True inside a (non-default) strategy's scope or run."""
     return current_entry().strategy is not None
@@ -100,16 +94,7 @@ def in_cross_replica_context() -> bool:
     return entry.strategy is not None and entry.replica is None
 
 
-def get_replica_context() -> "ReplicaContext | None":
-    """The replica context, None in cross-replica context, or the default replica context."""
-    entry = current_entry()
-    if entry.strategy is None:
-        from .strategy import default_strategy
-        return default_strategy()._default_replica_context
-    return entry.replica
-
-
-def get_cross_replica_context() -> "Strategy | None":
+def get_cross_replica_context():
     """The strategy when in cross-replica context, else None (TF's internal helper)."""
     entry = current_entry()
     return entry.strategy if entry.strategy is not None and entry.replica is None else None
@@ -162,13 +147,24 @@ class ReplicaContext:
     @property
     def device(self):
         """The :class:`torch.device` that holds this replica's tensors."""
-        return self.strategy.extended._compute[self._local_id].torch_device
+        return self.strategy.extended.compute_devices[self._local_id].torch_device
+
+    # -- for the engine (variables, synchronized BatchNorm) ------------------------------
+    @property
+    def has_peers(self) -> bool:
+        """True when other replicas of this run meet this one at rendezvous."""
+        return self._run is not None and self._run.num_replicas > 1
+
+    def rendezvous(self, kind: str, payload: Any, merge: Callable[[list], list]) -> Any:
+        """Meet the other replicas (``has_peers`` must be true); ``merge`` gets every
+        replica's ``payload`` in replica order, runs once, and returns one result per
+        replica; this replica gets its own. ``kind`` names the call in errors."""
+        return self._run.collectives.custom(self._local_id, kind, payload, merge)
 
     def all_reduce(self, reduce_op: Any, value: Any) -> Any:
         """Reduce ``value`` (a nest of tensors) over the replicas of this machine; each gets
         the result. Differentiable: the gradient flows back to every replica's input.
         """
-        from .reduce import ReduceOp
         op = ReduceOp.resolve(reduce_op)
         if self._run is None:
             return value

@@ -136,13 +136,13 @@ class Collectives:
         def merge(payloads):
             merged_args = regroup([p[0] for p in payloads])
             merged_kwargs = regroup([p[1] for p in payloads])
-            entry = context._Entry(strategy)
+            entry = context.Entry(strategy)
             context.push(entry)
             self._settle()
             # The replicas' gradients so far, summed into .grad: merge_fn may step the
             # optimizer (TF's apply_gradients in merge_call), and with one replica on the
             # parameter device they are there already
-            strategy.extended._store.flush_pending()
+            strategy.extended.store.flush_pending()
             try:
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
             finally:

@@ -452,7 +452,7 @@ class _DistributedBase:
     @property
     def _num_replicas(self) -> int:
         """Replicas on this machine (each step yields this many components)."""
-        return self._strategy.extended._num_local_replicas
+        return self._strategy.extended.num_local_replicas
 
     @property
     def _total_replicas(self) -> int:
@@ -461,10 +461,10 @@ class _DistributedBase:
 
     @property
     def _offset(self) -> int:
-        return self._strategy.extended._replica_offset
+        return self._strategy.extended.replica_offset
 
     def __iter__(self) -> DistributedIterator:
-        feeder = self._strategy.extended._input_feeder(self._options)
+        feeder = self._strategy.extended.input_feeder(self._options)
         return DistributedIterator(self._source_iterator(), self._producer(feeder),
                                    self._options.experimental_per_replica_buffer_size,
                                    feeder.finish, not self._in_memory() or feeder.copies)

@@ -20,7 +20,7 @@ the parameter device (one coalesced copy per replica device) and added to the ce
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
 collected before the next ``optimizer.step()`` or ``run``. Alias leaves hold the central
 tensors weakly: a model deleted by the user is freed, not kept by its replicas (device
-mirrors, for copies, still keep theirs: see :func:`_forget`).
+mirrors, for copies, still keep theirs: see :meth:`ParameterStore.forget`).
 
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
-from . import context
+from . import context, sync_batch_norm
+from .broadcast import DeviceMirror, finish_grads
 from .variables import VariableAggregation
 
 __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
@@ -50,18 +51,22 @@ class ServedDict(dict):
     Outside replicas it behaves exactly like the dict it replaced.
     """
 
-    __slots__ = ("_store", "_module", "_kind")
+    __slots__ = ("store", "kind", "_module")
 
     def __init__(self, items: dict, store: "ParameterStore", module: torch.nn.Module, kind: str):
         super().__init__(items)
-        self._store = store
+        self.store = store
+        self.kind = kind  # "parameter" or "buffer"
         self._module = weakref.ref(module)
-        self._kind = kind  # "parameter" or "buffer"
+
+    def module(self) -> torch.nn.Module | None:
+        """The module whose dict this is (None once it was freed)."""
+        return self._module()
 
     def __getitem__(self, name: str):
         value = dict.__getitem__(self, name)
         serving = context.current_serving()
-        if serving is None or value is None or serving.store is not self._store:
+        if serving is None or value is None or serving.store is not self.store:
             return value
         return serving.serve(self, name, value)
 
@@ -80,18 +85,18 @@ class ServedDict(dict):
 
     def __setitem__(self, name: str, value) -> None:
         serving = context.current_serving()
-        if serving is not None and serving.store is self._store:
+        if serving is not None and serving.store is self.store:
             serving.assign(self, name, value)
         else:
             dict.__setitem__(self, name, value)
-            if self._kind == "parameter" and value is not None:
-                self._store.register_tensor(value)
+            if self.kind == "parameter" and value is not None:
+                self.store.register_tensor(value)
 
     def __reduce_ex__(self, protocol):  # pickle/deepcopy as the plain dict it stands for
         return (dict, (dict(dict.items(self)),))
 
     def path(self, name: str) -> str:
-        module = self._module()
+        module = self.module()
         label = type(module).__name__ if module is not None else "module"
         return f"{label}.{name}"
 
@@ -155,13 +160,12 @@ class ParameterStore:
         self.parameter_device = parameter_device
         self.compute_devices = list(compute_devices)
         self._torch_param = parameter_device.torch_device
-        self._modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._tensors: "weakref.WeakValueDictionary[int, torch.Tensor]" = \
             weakref.WeakValueDictionary()
         self._order: dict[int, int] = {}  # id -> creation sequence number
         self._generation = 0
         # reentrant: a tensor freed by a garbage collection that runs while this thread
-        # holds the lock calls _forget, which takes it too
+        # holds the lock calls forget, which takes it too
         self._lock = threading.RLock()
         self.torch_devices = [d.torch_device for d in self.compute_devices]
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
@@ -173,10 +177,10 @@ class ParameterStore:
         # id(central) -> (weakref to central, leaf): an alias cache, and what a flush
         # reads, since a backward through a run's outputs may come after later runs that
         # read other parameters. Weak, and pruned when a central tensor is freed, so a
-        # deleted model does not live on in its replicas' aliases (:func:`_forget`).
+        # deleted model does not live on in its replicas' aliases (:meth:`forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
-        self._followed: set[int] = set()  # ids of the tensors whose end :func:`_forget` sees
+        self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -188,10 +192,9 @@ class ParameterStore:
         """Serve ``module``'s parameters and buffers to replicas from now on."""
         for attr, kind in (("_parameters", "parameter"), ("_buffers", "buffer")):
             current = module.__dict__.get(attr)
-            if current is None or (isinstance(current, ServedDict) and current._store is self):
+            if current is None or (isinstance(current, ServedDict) and current.store is self):
                 continue
             module.__dict__[attr] = ServedDict(dict(current), self, module, kind)
-        self._modules.add(module)
         for value in dict.values(module._parameters):
             if value is not None:
                 self.register_tensor(value)
@@ -206,7 +209,7 @@ class ParameterStore:
                 self._follow(tensor)
 
     def _follow(self, tensor: torch.Tensor) -> None:
-        """Call :func:`_forget` when ``tensor`` is freed (once per tensor)."""
+        """Call :meth:`forget` when ``tensor`` is freed (once per tensor)."""
         if id(tensor) not in self._followed:
             self._followed.add(id(tensor))
             weakref.finalize(tensor, _forget, weakref.ref(self), id(tensor)).atexit = False
@@ -298,7 +301,6 @@ class ParameterStore:
         """The central tensors and their gradients (transfers from a replica's mirror
         arrive; an alias replica's pairs are already on the parameter device)."""
         if self.copies[replica_id]:
-            from .broadcast import finish_grads
             return finish_grads(transfers)
         return [c for c, _ in transfers], [g for _, g in transfers]
 
@@ -316,7 +318,7 @@ class ParameterStore:
                 copies = [s.written_buffer(key) for s in servings]
                 if all(c is None for c in copies):
                     continue
-                module = owner._module()
+                module = owner.module()
                 agg = get_aggregation(module, name, central)
                 new = _aggregate(central, copies, agg, owner.path(name))
                 if new is central:
@@ -347,13 +349,24 @@ class ParameterStore:
         self._follow(central)
         return leaf
 
-    def mirror(self, replica_id: int):
-        from .broadcast import DeviceMirror
+    def mirror(self, replica_id: int) -> DeviceMirror:
         mirror = self._mirrors[replica_id]
         if mirror is None:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device, self._torch_param)
             self._mirrors[replica_id] = mirror
         return mirror
+
+    def forget(self, key: int) -> None:
+        """The tracked tensor ``id`` ``key`` was freed: drop its replicas' alias leaves.
+
+        Device mirrors (copies) still hold their tensors: rebuilding a mirror when one is
+        freed would orphan leaves that a run or a late backward still uses (found in
+        review), so a model served through copies lives as long as its strategy."""
+        self._followed.discard(key)
+        for cache in self._aliases:
+            cache.pop(key, None)
+        with self._lock:
+            self._order.pop(key, None)
 
     def check_device(self, central: torch.Tensor, owner: "ServedDict", name: str) -> None:
         if central.device != self._torch_param:
@@ -384,7 +397,7 @@ class ReplicaServing:
         self._stale = False  # a merge may have changed central values since they were copied
 
     def serve(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
-        if owner._kind == "parameter":
+        if owner.kind == "parameter":
             if self.direct:  # nothing to track: only the device can be wrong
                 if value.device != self.device:
                     self.store.check_device(value, owner, name)
@@ -446,7 +459,7 @@ class ReplicaServing:
         return entry[0]
 
     def assign(self, owner: ServedDict, name: str, value) -> None:
-        if owner._kind == "parameter":
+        if owner.kind == "parameter":
             if not dict.__contains__(owner, name):  # a module created inside the replica
                 dict.__setitem__(owner, name, value)
                 return
@@ -481,19 +494,10 @@ class ReplicaServing:
 
 
 def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:
-    """A tracked tensor was freed: drop its replicas' alias leaves.
-
-    Device mirrors (copies) still hold their tensors: rebuilding a mirror when one is
-    freed would orphan leaves that a run or a late backward still uses (found in
-    review), so a model served through copies lives as long as its strategy."""
+    """A tracked tensor was freed: :meth:`ParameterStore.forget` it, if the store lives."""
     store = store_ref()
-    if store is None:
-        return
-    store._followed.discard(key)
-    for cache in store._aliases:
-        cache.pop(key, None)
-    with store._lock:
-        store._order.pop(key, None)
+    if store is not None:
+        store.forget(key)
 
 
 def accumulate(centrals: list, grads: list) -> None:
@@ -512,7 +516,7 @@ def accumulate(centrals: list, grads: list) -> None:
 # -- placement hooks --------------------------------------------------------------------
 def _placing_store() -> ParameterStore | None:
     strategy = context.current_entry().strategy
-    return None if strategy is None else strategy.extended._store
+    return None if strategy is None else strategy.extended.store
 
 
 def _on_parameter(module: torch.nn.Module, name: str, param):
@@ -520,11 +524,11 @@ def _on_parameter(module: torch.nn.Module, name: str, param):
     if store is None or param is None:
         return None
     placed = param
-    if param.device != store._torch_param:
+    if param.device != store.parameter_device.torch_device:
         placed = torch.nn.Parameter(store.place(param.detach()), requires_grad=param.requires_grad)
     store.adopt(module)
     store.register_tensor(placed)
-    _install_extras(module)
+    sync_batch_norm.install(module)
     return placed if placed is not param else None
 
 
@@ -533,13 +537,9 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer):
     if store is None or buffer is None:
         return None
     store.adopt(module)
-    _install_extras(module)
-    return store.place(buffer) if buffer.device != store._torch_param else None
-
-
-def _install_extras(module: torch.nn.Module) -> None:
-    from .sync_batch_norm import install
-    install(module)
+    sync_batch_norm.install(module)
+    placed = store.place(buffer)
+    return placed if placed is not buffer else None
 
 
 _hooks_installed = False
@@ -575,6 +575,3 @@ def _before_optimizer_step(optimizer, args, kwargs):
         store.before_optimizer_step(optimizer)
     return None
 
-
-def iter_modules(store: ParameterStore) -> Iterable[torch.nn.Module]:
-    return list(store._modules)

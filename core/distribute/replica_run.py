@@ -25,6 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -101,8 +102,12 @@ class ReplicaRun:
     Args:
       num_replicas: how many replicas.
       concurrent: run all replicas at once (True) or in replica order (False).
-      body: ``body(replica_id) -> output``; sets up the replica's context itself.
+      body: ``body(run, replica_id) -> output``; sets up the replica's context itself.
       executor: where worker threads come from.
+      threads: intra-op threads per replica (None: leave each thread's as is).
+      servings: each replica's parameter view (collectives refresh them after a merge).
+      make_collectives: ``make_collectives(run)``, the run's Collectives, called on first
+        use; None for a run without collectives.
     """
 
     # Rendezvous state starts as these class-level defaults and becomes the run's own only
@@ -116,18 +121,20 @@ class ReplicaRun:
     arrivals: dict[int, tuple] | None = None  # made by the first rendezvous
     sync_results: dict[int, Any] | None = None
     merging: int | None = None  # the thread running a merge, if any
-    servings: list = []   # each replica's parameter view (set by the strategy, not mutated)
     _cond: threading.Condition | None = None
     _collectives = None
-    make_collectives: Callable[["ReplicaRun"], Any] | None = None  # set by the strategy
 
-    def __init__(self, num_replicas: int, concurrent: bool, body: Callable[[int], Any],
-                 executor: "ReplicaExecutor", threads: list | None = None):
+    def __init__(self, num_replicas: int, concurrent: bool,
+                 body: Callable[["ReplicaRun", int], Any], executor: "ReplicaExecutor",
+                 threads: list | None = None, servings: Sequence = (),
+                 make_collectives: Callable[["ReplicaRun"], Any] | None = None):
         self.num_replicas = num_replicas
         self.concurrent = concurrent and num_replicas > 1
-        self.threads = threads  # intra-op threads per replica (None: leave as is)
+        self.threads = threads
         self.body = body
         self.executor = executor
+        self.servings = servings  # not mutated
+        self.make_collectives = make_collectives
         self.results: list = [None] * num_replicas
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
@@ -158,10 +165,11 @@ class ReplicaRun:
         return collectives
 
     def release(self) -> None:
-        """Drop the body and collectives once the run is over: they point back at the run,
-        and breaking the cycle now spares the garbage collector ~30 objects a step. A
-        replica context kept past its run gets a clear error, not a finished rendezvous
-        (which would wait forever)."""
+        """Drop the body and collectives once the run is over: the collectives point back
+        at the run (breaking that cycle now spares the garbage collector), and the body
+        holds the step's arguments, which a replica context kept past its run must not
+        keep alive. That context gets a clear error, not a finished rendezvous (which
+        would wait forever)."""
         self.body = None
         self._collectives = None
         self.make_collectives = _run_has_returned
@@ -222,9 +230,9 @@ class ReplicaRun:
         begin = time.perf_counter()
         try:
             if on_worker:
-                output = self.thread_state.apply(lambda: self.body(replica_id))
+                output = self.thread_state.apply(lambda: self.body(self, replica_id))
             else:
-                output = self.body(replica_id)
+                output = self.body(self, replica_id)
             self.durations[replica_id] = time.perf_counter() - begin
         except ReplicaAborted:
             self._set_final(replica_id, "aborted")
@@ -446,7 +454,6 @@ class ExecutionPolicy:
             return
         if snapshot is not None and _generator_state() != snapshot:
             if self.state == "concurrent":
-                import warnings
                 warnings.warn(
                     "replicas drew random numbers from torch's global CPU generator while "
                     "running concurrently, so this step's draws interleaved in no fixed "

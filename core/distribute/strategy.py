@@ -18,12 +18,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import context
-from .context import ReplicaContext, cross_replica_required
+from .context import Entry, ReplicaContext, cross_replica_required
 from .cross_device_ops import Collectives
 from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
                       resolve_device, resolve_devices)
-from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputOptions,
-                    TensorSliceDataset, ValueContext)
+from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
+                    InputOptions, TensorSliceDataset, ValueContext)
 from .parameters import ParameterStore, install_hooks, track_store
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
@@ -32,7 +32,7 @@ from .values import (DistributedValues, Mirrored, PerReplica, local_results, map
 from .variables import Variable
 
 __all__ = ["Strategy", "CentralStorageStrategy", "ParameterServerStrategyExtended",
-           "StrategyOptions", "RunOptions", "default_strategy"]
+           "StrategyOptions", "RunOptions", "get_strategy", "get_replica_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class _Scope:
         current = context.current_entry()
         _check_not_mixing(current, self._strategy)
         if current.replica is None:
-            self._entry = context._Entry(self._strategy)
+            self._entry = Entry(self._strategy)
             context.push(self._entry)
         return self._strategy
 
@@ -90,7 +90,7 @@ class _Scope:
             self._entry = None
 
 
-def _check_not_mixing(current: "context._Entry", strategy: "Strategy") -> None:
+def _check_not_mixing(current: Entry, strategy: "Strategy") -> None:
     if current.strategy is not None and current.strategy is not strategy:
         raise RuntimeError(
             f"Mixing different strategies: {strategy!r} cannot enter its scope "
@@ -121,12 +121,12 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas compute each step (gradients are aggregated over them)."""
-        return self._extended._num_replicas_in_sync
+        return self._extended.num_replicas_in_sync
 
     @property
     def cluster_resolver(self):
         """The cluster resolver (None on one machine, as in TF)."""
-        return self._extended._cluster_resolver
+        return self._extended.cluster_resolver
 
     def scope(self) -> _Scope:
         """Make this strategy current; modules and Variables created inside live on the
@@ -184,7 +184,7 @@ class Strategy:
         op = ReduceOp.resolve(reduce_op)
         device = current_device()
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
-            return reduce_values(op, value._values, axis, device)
+            return reduce_values(op, value.values, axis, device)
         return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
             if isinstance(value, (tuple, list, dict)) else \
             self._reduce_leaf(op, value, axis, device)
@@ -192,7 +192,7 @@ class Strategy:
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None, device) -> Any:
         if isinstance(value, DistributedValues):
             return reduce_values(op, value.values, axis, device)
-        replicas = self._extended._num_local_replicas
+        replicas = self._extended.num_local_replicas
         if axis is None:
             if op is ReduceOp.MEAN or replicas == 1 or _is_zero(value):
                 return value
@@ -216,7 +216,7 @@ class Strategy:
 
     def experimental_local_results(self, value: Any) -> tuple:
         """The per-replica components of ``value`` as a tuple (``(value,)`` if plain)."""
-        return local_results(value, self._extended._num_local_replicas)
+        return local_results(value, self._extended.num_local_replicas)
 
     def unwrap(self, value: Any) -> tuple:
         """TF v1 name of :meth:`experimental_local_results`."""
@@ -246,8 +246,8 @@ class Strategy:
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
         """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf)."""
         ext = self._extended
-        values = [value_fn(ValueContext(ext._replica_offset + r, self.num_replicas_in_sync))
-                  for r in range(ext._num_local_replicas)]
+        values = [value_fn(ValueContext(ext.replica_offset + r, self.num_replicas_in_sync))
+                  for r in range(ext.num_local_replicas)]
         if len(values) == 1:
             return map_structure(lambda v: PerReplica([v]), values[0])
         return regroup(values, collapse_identical=False)
@@ -293,8 +293,9 @@ class Strategy:
 
     def __repr__(self) -> str:
         ext = self._extended
-        return (f"{type(self).__name__}(compute_devices={[d.short_name for d in ext._compute]}, "
-                f"parameter_device={ext._parameter.short_name!r})")
+        return (f"{type(self).__name__}(compute_devices="
+                f"{[d.short_name for d in ext.compute_devices]}, "
+                f"parameter_device={ext.parameter_device.short_name!r})")
 
 
 class _InitializableIterator:
@@ -388,6 +389,36 @@ class ParameterServerStrategyExtended:
     def parameter_device(self) -> LogicalDevice:
         return self._parameter
 
+    # -- for the rest of the engine (input, context, variables, collectives) ------------
+    @property
+    def compute_devices(self) -> list[LogicalDevice]:
+        """The replicas' devices, in replica order."""
+        return self._compute
+
+    @property
+    def store(self) -> ParameterStore:
+        """The central parameters and what each replica was served of them."""
+        return self._store
+
+    @property
+    def num_local_replicas(self) -> int:
+        """Replicas on this machine (each step's input has this many components)."""
+        return self._num_local_replicas
+
+    @property
+    def replica_offset(self) -> int:
+        """The sync-group id of this machine's first replica (0 without a cluster)."""
+        return self._replica_offset
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas of the whole sync group (all workers of a cluster)."""
+        return self._num_replicas_in_sync
+
+    @property
+    def cluster_resolver(self):
+        return self._cluster_resolver
+
     experimental_between_graph = True
     experimental_should_init = True
     should_checkpoint = True
@@ -417,13 +448,12 @@ class ParameterServerStrategyExtended:
         replica_kwargs = unstack(kwargs, count) if kwargs else None
         servings = self._store.begin_run()
         policy = self._policy
-        run = ReplicaRun(count, policy.concurrent, None, self._executor, policy.threads())
-        run.servings = servings
-        run.make_collectives = self._collectives_for
         streams = self._replica_streams()
+        body = self._replica_body(fn, replica_args, replica_kwargs, streams)
+        run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
+                         servings, self._collectives_for)
         if streams is not None:
             self._start_streams(streams)
-        run.body = self._replica_body(fn, run, replica_args, replica_kwargs, streams)
         snapshot = policy.before_run()
         try:
             outputs = run.execute()
@@ -442,14 +472,14 @@ class ParameterServerStrategyExtended:
         return Collectives(run, self._container, self._store.torch_devices,
                            self._parameter.torch_device, self._streams)
 
-    def _replica_body(self, fn: Callable, run: ReplicaRun, replica_args: list,
-                      replica_kwargs: list | None, streams: list | None) -> Callable:
-        """``body(replica_id)``: one replica's call of ``fn`` in its replica context."""
-        strategy, offset, servings = self._container, self._replica_offset, run.servings
+    def _replica_body(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
+                      streams: list | None) -> Callable:
+        """``body(run, replica_id)``: one replica's call of ``fn`` in its replica context."""
+        strategy, offset = self._container, self._replica_offset
 
-        def body(replica_id: int) -> Any:
+        def body(run: ReplicaRun, replica_id: int) -> Any:
             replica = ReplicaContext(strategy, offset + replica_id, run, replica_id)
-            entry = context._Entry(strategy, replica, servings[replica_id])
+            entry = Entry(strategy, replica, run.servings[replica_id])
             context.push(entry)
             try:
                 a = replica_args[replica_id]
@@ -492,7 +522,8 @@ class ParameterServerStrategyExtended:
             if stream is not None:
                 torch.cuda.current_stream(device.torch_device).wait_stream(stream)
 
-    def _input_feeder(self, options: InputOptions) -> Feeder:
+    def input_feeder(self, options: InputOptions) -> Feeder:
+        """What places each step's input on the replicas' devices (``input.py``)."""
         return Feeder(self._compute, options.experimental_fetch_to_device,
                       self._replica_streams())
 
@@ -627,10 +658,10 @@ class CentralStorageStrategy(Strategy):
 class _DefaultExtended:
     worker_devices = ["/job:localhost/replica:0/task:0/device:CPU:0"]
     parameter_devices = ("/job:localhost/replica:0/task:0/device:CPU:0",)
-    _num_replicas_in_sync = 1
-    _num_local_replicas = 1
-    _replica_offset = 0
-    _cluster_resolver = None
+    num_replicas_in_sync = 1
+    num_local_replicas = 1
+    replica_offset = 0
+    cluster_resolver = None
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         return fn(*args, **(kwargs or {}))
@@ -645,7 +676,6 @@ class _DefaultStrategy(Strategy):
 
     def __init__(self):
         super().__init__(_DefaultExtended())
-        self._default_replica_context = ReplicaContext(self, 0, None)
 
     def scope(self):
         return contextlib.nullcontext(self)
@@ -657,18 +687,23 @@ class _DefaultStrategy(Strategy):
         return dataset
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        from .input import InputContext
         return dataset_fn(InputContext())
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
 
 
-_default: _DefaultStrategy | None = None
+_DEFAULT = _DefaultStrategy()
+_DEFAULT_REPLICA = ReplicaContext(_DEFAULT, 0)
 
 
-def default_strategy() -> _DefaultStrategy:
-    global _default
-    if _default is None:
-        _default = _DefaultStrategy()
-    return _default
+def get_strategy() -> Strategy:
+    """The current strategy: the one whose scope or run we are in, else the default one."""
+    strategy = context.current_entry().strategy
+    return _DEFAULT if strategy is None else strategy
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The replica context, None in cross-replica context, or the default replica context."""
+    entry = context.current_entry()
+    return _DEFAULT_REPLICA if entry.strategy is None else entry.replica

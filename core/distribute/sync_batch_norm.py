@@ -34,8 +34,7 @@ def install(module: torch.nn.Module) -> None:
 
 def _forward(module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     replica = context.current_entry().replica
-    if (replica is None or replica._run is None or not module.training
-            or replica._run.num_replicas == 1
+    if (replica is None or not module.training or not replica.has_peers
             or not replica.strategy.extended.options.sync_batch_norm):
         return type(module).forward(module, input)
     return synchronized_batch_norm(module, input, replica)

@@ -35,6 +35,7 @@ class DistributedValues:
       values: a tuple with the component of each replica, in replica order.
     """
 
+    # read directly by this module's nest helpers (run's hot path); elsewhere: .values
     __slots__ = ("_values",)
 
     def __init__(self, values: Sequence[Any]):

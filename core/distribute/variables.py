@@ -23,6 +23,9 @@ from typing import Any
 import torch
 
 from . import context
+from .devices import canonical_name
+from .reduce import ReduceOp, as_tensor, reduce_values
+from .values import map_structure
 
 __all__ = ["VariableAggregation", "VariableSynchronization", "Variable"]
 
@@ -81,7 +84,6 @@ def _apply(tensor: torch.Tensor, op: str, value: torch.Tensor) -> None:
 
 def combine_updates(values: list, aggregation: VariableAggregation, name: str) -> Any:
     """Combine one update value per replica (TF's replica-context aggregation)."""
-    from .reduce import ReduceOp, as_tensor, reduce_values
     if aggregation is VariableAggregation.NONE:
         raise ValueError(
             f"cannot update {name} inside replicas: its aggregation is NONE. Create it with "
@@ -130,13 +132,13 @@ class Variable:
         strategy = context.current_entry().strategy
         value = torch.as_tensor(initial_value, dtype=dtype).detach().clone()
         if strategy is not None:
-            value = value.to(strategy.extended._parameter.torch_device)
+            value = value.to(strategy.extended.parameter_device.torch_device)
         if self.trainable and (value.is_floating_point() or value.is_complex()):
             value.requires_grad_(True)
         self._tensor = value
         self._strategy = strategy
         if strategy is not None:
-            strategy.extended._store.register_tensor(value)
+            strategy.extended.store.register_tensor(value)
 
     # -- reading -------------------------------------------------------------------------
     @property
@@ -148,8 +150,7 @@ class Variable:
     def device(self) -> str:
         """The canonical name of the device the variable lives on."""
         if self._strategy is not None:
-            return self._strategy.extended._parameter.name
-        from .devices import canonical_name
+            return self._strategy.extended.parameter_device.name
         return canonical_name(self._tensor.device)
 
     @property
@@ -189,12 +190,11 @@ class Variable:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .values import map_structure
         unwrap = (lambda v: v.value() if isinstance(v, Variable) else v)
         return func(*map_structure(unwrap, tuple(args)), **map_structure(unwrap, kwargs or {}))
 
     def _store_or_none(self):
-        return self._strategy.extended._store if self._strategy is not None else None
+        return self._strategy.extended.store if self._strategy is not None else None
 
     # -- writing -------------------------------------------------------------------------
     def assign(self, value: Any) -> "Variable":
@@ -212,7 +212,7 @@ class Variable:
     def _update(self, op: str, value: Any) -> Any:
         entry = context.current_entry()
         replica = entry.replica
-        if replica is None or replica._run is None or replica._run.num_replicas == 1:
+        if replica is None or not replica.has_peers:
             _apply(self._tensor, op, self._as_update(value))
             return self if replica is None else self.value()
 
@@ -221,11 +221,10 @@ class Variable:
             _apply(self._tensor, op, self._as_update(combined))
             return [None] * len(values)
 
-        replica._run.collectives.custom(replica._local_id, f"{op} of {self.name}", value, merge)
+        replica.rendezvous(f"{op} of {self.name}", value, merge)
         return self.value()
 
     def _as_update(self, value: Any) -> torch.Tensor:
-        from .reduce import as_tensor
         if isinstance(value, Variable):
-            value = value._tensor
+            value = value.tensor
         return as_tensor(value).detach().to(self._tensor.device, self._tensor.dtype)

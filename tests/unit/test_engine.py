@@ -44,8 +44,8 @@ def test_rendezvous_lock_exists_before_any_worker_starts():
             seen.append((run._cond is not None, run._collectives is not None))
             task()
 
-    run = ReplicaRun(3, True, lambda r: r, Executor())
-    run.make_collectives = lambda r: object()  # nor two Collectives made at once
+    # nor two Collectives made at once
+    run = ReplicaRun(3, True, lambda run, r: r, Executor(), make_collectives=lambda r: object())
     assert run.execute() == [0, 1, 2] and seen == [(True, True), (True, True)]
 
 
