@@ -39,7 +39,23 @@ _logical_cpus_override: int | None = None
 
 
 class DeviceError(ValueError):
-    """A device that cannot be parsed, does not exist here, or repeats another."""
+    """A device that cannot be parsed, does not exist here, or repeats another.
+
+    Attributes:
+      message: what is wrong.
+      hint: what exists instead (``"available: CPU:0..CPU:7 ..."``), or None.
+
+    ``str(exc)`` is ``"<message>; <hint>"`` (TF-parity tests compare it); callers that
+    show the two apart read the fields rather than split the text.
+    """
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(f"{message}; {hint}" if hint else message)
+        self.message = message
+        self.hint = hint
+
+    def __reduce__(self):  # pickles with both fields, not the joined text
+        return type(self), (self.message, self.hint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,9 +232,9 @@ def _check_exists(device: LogicalDevice, spec: object) -> None:
             "for a cluster)"
         )
     if device.kind == "CPU" and device.index >= logical_cpu_count():
-        raise DeviceError(f"device {spec!r} does not exist; {_available_hint()}")
+        raise DeviceError(f"device {spec!r} does not exist", _available_hint())
     if device.kind == "GPU" and device.index >= _gpu_count():
-        raise DeviceError(f"device {spec!r} is not here; {_available_hint()}")
+        raise DeviceError(f"device {spec!r} is not here", _available_hint())
 
 
 def resolve_device(spec: object, *, check: bool = True) -> LogicalDevice:
@@ -226,7 +242,7 @@ def resolve_device(spec: object, *, check: bool = True) -> LogicalDevice:
     try:
         device = parse_device(spec)
     except DeviceError as exc:
-        raise DeviceError(f"{exc}; {_available_hint()}") from None
+        raise DeviceError(str(exc), _available_hint()) from None
     if check:
         _check_exists(device, spec)
     return device
@@ -245,15 +261,14 @@ def resolve_devices(specs: object, what: str = "compute_devices") -> list[Logica
                         f"{specs!r}")
     specs = list(specs)
     if not specs:
-        raise DeviceError(f"{what} is empty; give at least one device; {_available_hint()}")
+        raise DeviceError(f"{what} is empty; give at least one device", _available_hint())
     devices = [resolve_device(s) for s in specs]
     seen: dict[LogicalDevice, object] = {}
     for spec, device in zip(specs, devices):
         if device in seen:
             raise DeviceError(
                 f"{what} lists {device.short_name} twice ({seen[device]!r} and {spec!r}); "
-                f"each replica needs its own device; {_available_hint()}"
-            )
+                "each replica needs its own device", _available_hint())
         seen[device] = spec
     return devices
 

@@ -134,8 +134,7 @@ def _device(spec: str, field: str, problems: list[Problem]):
     try:
         return resolve_device(spec)
     except DeviceError as exc:
-        message, _, hint = str(exc).partition("; available")
-        problems.append(Problem(field, message, f"available{hint}" if hint else None))
+        problems.append(Problem(field, exc.message, exc.hint))
     except ValueError:  # the parser's int() of a digit that is not ASCII ('replica:²')
         problems.append(Problem(field, f"cannot parse device {spec!r}", "use forms like "
                                 "'CPU:0', '/gpu:1', '/job:localhost/replica:0/task:0/"

@@ -2,6 +2,7 @@
 
 import collections
 import gc
+import pickle
 import threading
 import time
 import warnings
@@ -766,3 +767,29 @@ def test_batches_made_under_no_grad_keep_their_link_to_the_dataset(source):
     part = strategy.experimental_local_results(step)[1][0]
     (part * 2).sum().backward()
     assert x.grad.tolist() == [0.0, 0.0, 2.0, 2.0]
+
+
+# -- device errors ------------------------------------------------------------------------
+@pytest.mark.parametrize("devices, message", [
+    (["CPU:99999"], "device 'CPU:99999' does not exist"),
+    (["CPU:0", "/cpu:0"], "compute_devices lists CPU:0 twice ('CPU:0' and '/cpu:0'); "
+                          "each replica needs its own device"),
+    ([], "compute_devices is empty; give at least one device"),
+    (["TPU:0"], "cannot parse device 'TPU:0'"),
+])
+def test_device_error_keeps_message_and_hint_apart(devices, message):
+    with pytest.raises(cs.DeviceError) as info:
+        cs.CentralStorageStrategy(devices, "CPU:0")
+    err = info.value
+    assert err.message.startswith(message) and "available" not in err.message
+    assert err.hint.startswith("available: CPU:0..CPU:")
+    assert str(err) == f"{err.message}; {err.hint}"  # the text TF-parity tests compare
+    copy = pickle.loads(pickle.dumps(err))
+    assert (copy.message, copy.hint, str(copy)) == (err.message, err.hint, str(err))
+
+
+def test_device_error_without_hint_is_just_its_message():
+    err = cs.DeviceError("logical CPU count must be a positive int, got 0")
+    assert (err.message, err.hint, str(err)) == (
+        "logical CPU count must be a positive int, got 0", None,
+        "logical CPU count must be a positive int, got 0")
