@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.runner.session import Outputs, train_from_file
+from csrun.core.runner.session import Outputs
+from csrun.core.runner.train import train_from_file
 
 from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
 from .render import View, clean_floats, write_json

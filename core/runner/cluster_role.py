@@ -14,31 +14,31 @@ the ``ParameterServerStrategy`` built from them:
   every ps task's variables and optimizer state), waits for the other workers at the end,
   evaluates the holdout on the final values, ends the job, and reports lost workers.
 
-Non-chief workers wait until the chief has initialized (or restored) the variables, as
-TF's workers wait for the chief's session. A ps that dies stops the workers with a
-:class:`~csrun.core.runner.session.RunError` (exit 1) that names the last checkpoint, intact.
+A worker is a :class:`~csrun.core.runner.session.Session` with a :class:`ClusterRole`,
+which does those parts. Non-chief workers wait until the chief has initialized (or
+restored) the variables, as TF's workers wait for the chief's session. A ps that dies
+stops the workers with a :class:`~csrun.core.runner.session.RunError` (exit 1) that names
+the last checkpoint, intact.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import threading
 import time
 from typing import Any, Callable
 
 import torch
 
-from .checkpoint import CheckpointManager
 from ..config.cluster import cluster_resolver
-from .events import Evaluated, Notice, RunResult, RunStarted
+from .events import Notice, RunResult
 from ..cluster.parameter_server import ParameterServerError
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
 from .session import Outputs, RunError, Session, run_session
 from ..distribute.strategy import StrategyOptions
 
-__all__ = ["run_task", "connect", "ClusterSession", "ClusterJoined", "ClusterRunResult",
+__all__ = ["run_task", "connect", "ClusterRole", "ClusterJoined", "ClusterRunResult",
            "ServeResult"]
 
 
@@ -82,24 +82,21 @@ class ServeResult:
 
 def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
              stop: threading.Event) -> ClusterRunResult | ServeResult:
-    """Connect to the cluster and play this task's part (the runner's ``train`` calls
-    it for ``strategy.kind: parameter_server``)."""
+    """Connect to the cluster and play this task's part (:func:`csrun.core.runner.train.train`
+    calls it for ``strategy.kind: parameter_server``)."""
     strategy = connect(config)
     joined = _joined(strategy, config)
     emit(joined)
     if strategy.extended.is_ps:
         return _serve(strategy, config, joined, stop)
-    session = None
+    role, session = ClusterRole(strategy, config, emit), None
     try:
-        session = ClusterSession(config, outputs, emit, strategy)
+        session = Session(config, outputs, emit, role)
         return run_session(session, resume, stop)
     except BaseException as exc:
-        reason = f"{joined.task} failed: {type(exc).__name__}: {exc}"
-        if session is not None:
-            session.abort(reason)
-        elif strategy.extended.is_chief:  # failed while setting up: still end the job,
-            with contextlib.suppress(Exception):  # or the ps tasks would serve forever
-                strategy.extended.abort(reason)
+        # the chief ends the job even when it failed while setting up, or the ps tasks
+        # would serve forever
+        role.abort(f"{joined.task} failed: {type(exc).__name__}: {exc}")
         if isinstance(exc, ParameterServerError):
             note = session.checkpoint_note() if session else "no checkpoint was written"
             raise RunError(f"{exc}; {note}") from None
@@ -145,82 +142,54 @@ def _serve(strategy, config, joined: ClusterJoined, stop: threading.Event) -> Se
                        time.perf_counter() - begin, joined.to_dict())
 
 
-class ClusterSession(Session):
-    """A worker's training session (see the module docstring for what differs)."""
+class ClusterRole:
+    """A worker's part in the job, for its :class:`~csrun.core.runner.session.Session`
+    (the interface: :class:`~csrun.core.runner.session.Role`; see the module docstring
+    for what the chief does besides)."""
 
-    def __init__(self, config, outputs: Outputs, emit: Callable[[Any], None],
-                 strategy: ParameterServerStrategy):
+    sliced = True  # the loss is divided by the whole global batch; the chief evaluates it all
+
+    def __init__(self, strategy: ParameterServerStrategy, config,
+                 emit: Callable[[Any], None]):
+        self.strategy, self.config, self.emit = strategy, config, emit
         self.ext = strategy.extended
         self.is_chief = self.ext.is_chief
         self.lost: list[str] = []
         self._reported: set[str] = set()
-        self._sizes: Any = iter(())
-        self._ps_state: list | None = None
+        self._restored: list | None = None  # ps state from a checkpoint, for begin()
         self._ended = False
-        super().__init__(config, outputs, emit, strategy)
 
-    # -- checkpoints: the chief's ---------------------------------------------------------
-    def _checkpoints(self) -> CheckpointManager | None:
-        # the chief's alone: other workers learn where to start from the chief itself
-        return super()._checkpoints() if self.is_chief else None
+    @property
+    def parameter_device(self) -> str:
+        return ", ".join(f"ps:{k}" for k in range(len(self.ext.parameter_devices)))
 
-    def save(self) -> None:
-        if self.is_chief:
-            super().save()
+    # -- checkpoints: the chief's, with every ps task's variables and optimizer state -----
+    def checkpoint_state(self) -> dict:
+        return {"ps": self.ext.ps_state()}
 
-    def _payload(self) -> dict:
-        return {**super()._payload(), "ps": self.ext.ps_state()}
-
-    def _load(self, payload: dict) -> None:
+    def load_checkpoint_state(self, payload: dict) -> None:
         if "ps" not in payload:
             raise ValueError("it holds no parameter-server state (a central-storage run "
                              "wrote it); use another checkpoint.dir")
-        super()._load(payload)
-        self._ps_state = payload["ps"]
+        self._restored = payload["ps"]
 
-    def restore(self) -> None:
-        """The chief restores itself and the ps tasks (values, optimizer state, global
-        step); the other workers take its position when it is ready (:meth:`fit`)."""
-        if not self.is_chief:
-            return
-        super().restore()
-        if self._ps_state is not None:
-            self.ext.load_ps_state(self._ps_state, self.optimizer)
-        self._ps_state = None
-
-    def checkpoint_note(self) -> str:
-        """What a failure leaves behind: the last checkpoint, intact, or none."""
-        if self.saved_path:
-            return f"the last checkpoint (step {self.saved_step}, {self.saved_path}) is intact"
-        return "no checkpoint was written" if self.is_chief else \
-            "checkpoints are the chief's"
-
-    # -- the loop -------------------------------------------------------------------------
-    def fit(self, stop: threading.Event) -> None:
-        where = ("step", "epoch", "position")
+    # -- the run ---------------------------------------------------------------------------
+    def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
+        """The chief initializes the variables (restores the ps tasks from its
+        checkpoint) and lets the other workers go; they start where it starts."""
         if self.is_chief:
-            self.ext.mark_initialized({k: getattr(self, k) for k in where})
-        else:  # start where the chief starts (0, or the step it resumed from)
-            start = self.ext.wait_for_chief(max(self.config.strategy.timeout_s, 600.0))
-            self.step, self.epoch, self.position = (int(start[k]) for k in where)
-            if self.step:
-                self.resumed_from = self.step
-                self.emit(Notice(f"starting at the chief's step {self.step} (epoch "
-                                 f"{self.epoch}, batch {self.position})"))
-        super().fit(stop)
+            if self._restored is not None:
+                self.ext.load_ps_state(self._restored, optimizer)
+                self._restored = None
+            self.ext.mark_initialized(where)
+            return where
+        start = self.ext.wait_for_chief(max(self.config.strategy.timeout_s, 600.0))
+        if start["step"]:
+            self.emit(Notice(f"starting at the chief's step {start['step']} (epoch "
+                             f"{start['epoch']}, batch {start['position']})"))
+        return start
 
-    def _distribute(self):
-        # the global batches of this pass, from the index plan: each step's loss is
-        # divided by its whole batch, though this worker sees only its slice
-        self._sizes = (len(b) for b in itertools.islice(self.pipeline.plan(self.epoch),
-                                                         self.position, None))
-        return super()._distribute()
-
-    def global_examples(self, x: Any) -> int:
-        return next(self._sizes)
-
-    def _log(self) -> None:
-        super()._log()
+    def logged(self) -> None:
         if self.is_chief:
             for task, why in self.ext.lost_workers().items():
                 self._report(task, why)
@@ -236,31 +205,9 @@ class ClusterSession(Session):
         if self.is_chief:
             self.lost = self.ext.wait_for_workers(report=self._report)
 
-    # -- the end --------------------------------------------------------------------------
-    def evaluate(self) -> Evaluated | None:
-        """The chief evaluates the whole holdout on its copy of the final values."""
-        if not self.is_chief or len(self.holdout) == 0:
-            return None
-        totals = {"loss": 0.0, "examples": 0, "correct": 0}
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for x, y in self.pipeline.eval_loader(self.holdout, self.pipeline.batch_size):
-                    for key, value in self.eval_stats(x, y).items():
-                        totals[key] += value.item()
-        finally:
-            self.model.train()
-        return self.evaluated(totals)
-
-    def _started(self) -> RunStarted:
-        started = super()._started()
-        started.parameter_device = ", ".join(f"ps:{k}" for k in range(
-            len(self.ext.parameter_devices)))
-        return started
-
-    def finish(self, status: str) -> ClusterRunResult:
-        result = super().finish(status)
-        cluster = self._cluster()
+    # -- the end ---------------------------------------------------------------------------
+    def end(self, result: RunResult, model: torch.nn.Module) -> ClusterRunResult:
+        cluster = self._cluster(model)
         self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
         self._ended = True
         if self.is_chief:
@@ -269,22 +216,24 @@ class ClusterSession(Session):
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         return ClusterRunResult(**fields, cluster=cluster)
 
-    def _cluster(self) -> dict[str, Any]:
+    def _cluster(self, model: torch.nn.Module) -> dict[str, Any]:
         resolver = self.strategy.cluster_resolver
         return {"task": f"{resolver.task_type}:{resolver.task_id}",
                 "role": "chief" if self.is_chief else "worker",
                 "cluster": resolver.cluster_spec().as_dict(),
-                "replicas_in_sync": self.replicas,
+                "replicas_in_sync": self.strategy.num_replicas_in_sync,
                 "variable_placement": self.config.strategy.variable_placement,
                 "variables": {name: self.ext.variable_device(p)
-                              for name, p in self.model.named_parameters()},
+                              for name, p in model.named_parameters()},
                 "global_step": self.ext.global_step}
 
     def abort(self, reason: str) -> None:
-        """After a failure: the chief ends the job (the ps tasks stop)."""
+        """After a failure: the chief ends the job (the ps tasks stop), unless it has; a
+        failure to do so must not hide the one being reported."""
         if self.is_chief and not self._ended:
             self._ended = True
-            self.ext.abort(reason)
+            with contextlib.suppress(Exception):
+                self.ext.abort(reason)
 
 
 def _updates(logs: list) -> dict[str, int]:

@@ -16,7 +16,9 @@ gradients are those of the global-batch mean, whatever the replica count.
 The runner never prints: it reports :mod:`csrun.core.runner.events` to ``on_event`` and returns a
 :class:`~csrun.core.runner.events.RunResult`.
 
-Example::
+Where a process's part in the job matters (a parameter-server worker's, vs. a
+central-storage run's), the Session asks its :class:`Role`; :mod:`csrun.core.runner.train`
+picks the role and is the entry to use::
 
     result = train(load_config("configs/quickstart.yaml"), on_event=print)
     print(result.params_sha256)
@@ -26,13 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import random
 import signal
 import threading
 import time
-import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -40,20 +42,17 @@ import torch
 from ..distribute import CentralStorageStrategy, InputOptions, InputReplicationMode, StrategyOptions
 from .checkpoint import CheckpointError, CheckpointManager
 from ..config.schema import RunConfig
-from .preflight import load_config
 from ..data.pipeline import Pipeline
 from ..data.sources import load_source, split_holdout
 from .digests import params_sha256
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
-from .metrics import MetricSinks, tensorboard_available
+from .metrics import MetricSinks
 from .models import build_model, count_parameters, make_loss, resolve_loss
 from .optimizers import build_optimizer, build_schedule
-from .plots import plot_available, write_plot
-from .preflight import check_writable
-from ..config.problems import ConfigError, Problem
+from .plots import write_plot
 
-__all__ = ["train", "train_from_file", "RunError", "NonFiniteLoss", "Outputs", "Session",
+__all__ = ["RunError", "NonFiniteLoss", "Outputs", "Role", "LocalRole", "Session",
            "run_session", "stop_on_signals"]
 
 PHASES = ("distribute", "run", "update", "reduce")
@@ -82,58 +81,6 @@ class Outputs:
     tensorboard: str | None = None
 
 
-def train_from_file(path: str, overrides: Sequence[str] = (), **options: Any) -> RunResult:
-    """Load ``path`` with ``overrides`` (override > file > default) and :func:`train` it.
-
-    Raises:
-      ConfigError: the config or the options have problems (exit code 2).
-      RunError, CheckpointError: the run failed (exit code 1).
-    """
-    return train(load_config(path, overrides), **options)
-
-
-def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = None,
-          on_event: Callable[[Any], None] | None = None,
-          stop: threading.Event | None = None) -> RunResult:
-    """Train ``config``; checkpoint, evaluate the holdout, and report. With
-    ``strategy.kind: parameter_server``, play this process's task of the cluster
-    (:mod:`csrun.core.runner.cluster_role`).
-
-    Args:
-      config: a validated config (:func:`csrun.core.runner.preflight.load_config`).
-      resume: continue from the newest checkpoint in ``checkpoint.dir`` (from the start
-        when there is none); ends bit-for-bit where an uninterrupted run ends.
-      outputs: optional metric, plot and TensorBoard files.
-      on_event: called with each event of :mod:`csrun.core.runner.events`.
-      stop: set it to stop after the current step, save a checkpoint and return with
-        status ``"interrupted"``. In the main thread, Ctrl-C and SIGTERM set it (twice:
-        abort).
-
-    Returns:
-      The :class:`RunResult`.
-
-    Raises:
-      ConfigError: unusable options (``--plot`` without matplotlib, ``--resume`` without
-        ``checkpoint.dir``).
-      RunError: a runtime failure (:class:`NonFiniteLoss`, an empty epoch).
-      CheckpointError: the checkpoint to resume from is damaged or from another run, or
-        one cannot be written.
-    """
-    outputs = outputs or Outputs()
-    _check_options(config, resume, outputs)
-    stop = stop or threading.Event()
-    received: list[str] = []
-    emit = on_event or (lambda event: None)
-    with stop_on_signals(stop, received), _engine_warnings(on_event):
-        if config.strategy.kind == "parameter_server":  # one task of a cluster
-            from .cluster_role import run_task
-            result = run_task(config, resume, outputs, emit, stop)
-        else:
-            result = run_session(Session(config, outputs, emit), resume, stop)
-        result.signal = received[0] if received and result.status == "interrupted" else None
-        return result
-
-
 def run_session(session: "Session", resume: bool, stop: threading.Event) -> RunResult:
     """Restore (with ``resume``), train until done or ``stop``, and assemble the result."""
     try:
@@ -143,24 +90,6 @@ def run_session(session: "Session", resume: bool, stop: threading.Event) -> RunR
         return session.finish("interrupted" if stop.is_set() else "completed")
     finally:
         session.close()
-
-
-def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
-    # output paths are checked now: a bad one found after hours of training loses them
-    problems = check_writable(outputs.metrics, "--metrics") + \
-        check_writable(outputs.plot, "--plot") + \
-        check_writable(outputs.tensorboard, "--tensorboard", directory=True)
-    if resume and not config.checkpoint.dir:
-        problems.append(Problem("checkpoint.dir", "--resume needs a checkpoint directory",
-                                "set checkpoint.dir in the config or as an override"))
-    if outputs.plot and not plot_available():
-        problems.append(Problem("--plot", "needs matplotlib, which is not installed",
-                                "pip install 'csrun[plot]'"))
-    if outputs.tensorboard and not tensorboard_available():
-        problems.append(Problem("--tensorboard", "needs tensorboard, which is not "
-                                "installed", "pip install 'csrun[tensorboard]'"))
-    if problems:
-        raise ConfigError(problems)
 
 
 @contextlib.contextmanager
@@ -184,23 +113,6 @@ def stop_on_signals(stop: threading.Event, received: list):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def _engine_warnings(on_event: Callable | None):
-    """Report the engine's warnings (e.g. dropped batches) once each, as Notices."""
-    seen: set = set()
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if text not in seen and on_event is not None:
-            seen.add(text)
-            on_event(Notice(text))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        yield
 
 
 def seed_everything(seed: int) -> None:
@@ -303,25 +215,84 @@ class _Tally:
         vars(self).update(state)
 
 
-class Session:
-    """One call of :func:`train`: the strategy, model, data and the loop's state.
+class Role(Protocol):
+    """This process's part in the job, asked by its :class:`Session` at the points where
+    the parts differ, and only there: the whole job (:class:`LocalRole`, a central-storage
+    run) or one worker of a parameter-server job (``ClusterRole`` in
+    :mod:`csrun.core.runner.cluster_role`)."""
 
-    ``strategy`` defaults to the config's CentralStorageStrategy; a cluster task passes
-    its ParameterServerStrategy (:mod:`csrun.core.runner.cluster_role` subclasses this).
-    """
+    strategy: Any          # the strategy the session trains with
+    is_chief: bool         # writes and restores the checkpoints, evaluates the holdout
+    sliced: bool           # the strategy feeds this process only its slice of a global batch
+    parameter_device: str  # where the parameters live, as RunStarted names it
+
+    def checkpoint_state(self) -> dict:
+        """Entries to add to a checkpoint being written."""
+
+    def load_checkpoint_state(self, payload: dict) -> None:
+        """Take them from a checkpoint being restored (ValueError: it has none)."""
+
+    def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
+        """Before the first step: where training starts, from this process's ``where``
+        (``step``, ``epoch``, ``position``)."""
+
+    def logged(self) -> None:
+        """After each :class:`StepLog`."""
+
+    def settle(self) -> None:
+        """After the last step, before the last checkpoint."""
+
+    def end(self, result: RunResult, model: torch.nn.Module) -> RunResult:
+        """The result to report; this process's part of the job is over."""
+
+
+class LocalRole:
+    """The whole job in this process: the config's CentralStorageStrategy, its own chief;
+    nothing to agree on with anyone (see :class:`Role`)."""
+
+    is_chief, sliced = True, False
+
+    def __init__(self, config: RunConfig):
+        s = config.strategy
+        self.strategy = CentralStorageStrategy(
+            s.compute_devices, s.parameter_device,
+            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution))
+        self.parameter_device = self.strategy.extended.parameter_device.short_name
+
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def load_checkpoint_state(self, payload: dict) -> None:
+        pass
+
+    def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
+        return where
+
+    def logged(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def end(self, result: RunResult, model: torch.nn.Module) -> RunResult:
+        return result
+
+
+class Session:
+    """One training run of a config in this process: the strategy, model, data and the
+    loop's state; ``role`` (default: a :class:`LocalRole`) is this process's part in the
+    job."""
 
     def __init__(self, config: RunConfig, outputs: Outputs, emit: Callable[[Any], None],
-                 strategy=None):
+                 role: Role | None = None):
         self.config, self.outputs, self.emit = config, outputs, emit
         seed = config.train.seed
         seed_everything(seed)  # before the model: initial weights follow the seed
         self.data = load_source(config.dataset.source)
         train_indices, self.holdout = split_holdout(len(self.data), config.dataset.holdout, seed)
         self.pipeline = Pipeline(config.dataset, self.data, train_indices, seed)
-        self.strategy = strategy or CentralStorageStrategy(
-            config.strategy.compute_devices, config.strategy.parameter_device,
-            options=StrategyOptions(copy_parameters=config.strategy.copy_parameters,
-                                    execution=config.strategy.execution))
+        self.role = role or LocalRole(config)
+        self.strategy = self.role.strategy
         self.replicas = self.strategy.num_replicas_in_sync
         self.devices = [_short(name) for name in self.strategy.extended.worker_devices]
         self.classify = self.data.task == "classification"
@@ -344,14 +315,15 @@ class Session:
         self.session = _Tally(self.replicas)  # this process's steps only, for throughput
         self.session_seconds = 0.0
         self.step_times: list[list[float]] = []  # per step, per replica (for --plot)
+        self._sizes: Iterator[int] = iter(())  # global batch sizes of the pass (sliced role)
 
     def close(self) -> None:
         self.sinks.close()
 
     def _checkpoints(self) -> CheckpointManager | None:
-        """The checkpoint manager (None without ``checkpoint.dir``), rid of what a crash
-        mid-save left (the complete checkpoints are untouched)."""
-        if not self.config.checkpoint.dir:
+        """The checkpoint manager (None without ``checkpoint.dir``, or when they are the
+        chief's), rid of what a crash mid-save left (the complete ones are untouched)."""
+        if not self.config.checkpoint.dir or not self.role.is_chief:
             return None
         manager = CheckpointManager(self.config.checkpoint.dir, self.config.checkpoint.keep,
                                     _identity(self.config, self.replicas))
@@ -368,7 +340,8 @@ class Session:
                 "schedule": self.schedule.state_dict() if self.schedule else None,
                 "rng": _rng_state(), "losses": torch.tensor(self.losses, dtype=torch.float64),
                 "totals": self.totals.state(), "window": self.window.state(),
-                "last_log": self.last_log.to_dict() if self.last_log else None}
+                "last_log": self.last_log.to_dict() if self.last_log else None,
+                **self.role.checkpoint_state()}
 
     def save(self) -> None:
         if self.manager is None or self.saved_step == self.step or self.step == 0:
@@ -387,6 +360,8 @@ class Session:
 
     def restore(self) -> None:
         """Continue from the newest checkpoint (model, optimizer, schedule, RNG, data)."""
+        if self.manager is None:  # not the chief: start where it does (fit)
+            return
         loaded = self.manager.load_latest()
         if loaded is None:
             self.emit(Notice(f"--resume: no checkpoint in {self.config.checkpoint.dir!r} "
@@ -408,6 +383,7 @@ class Session:
     def _load(self, payload: dict) -> None:
         """Restore the session from a verified payload (KeyError etc. if it is not one
         this csrun wrote)."""
+        self.role.load_checkpoint_state(payload)
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         if self.schedule is not None:
@@ -424,6 +400,11 @@ class Session:
     # -- the loop --------------------------------------------------------------------------
     def fit(self, stop: threading.Event) -> None:
         """Train until ``total_steps`` or until ``stop`` is set; save at the end."""
+        here = {"step": self.step, "epoch": self.epoch, "position": self.position}
+        start = self.role.begin(here, self.optimizer)  # a cluster's worker: the chief's
+        self.step, self.epoch, self.position = (int(start[k]) for k in here)
+        if self.step != here["step"]:
+            self.resumed_from = self.step
         self.emit(self._started())
         begin = time.perf_counter()
         with self.strategy.scope():  # cross-replica context, as in TF
@@ -440,12 +421,8 @@ class Session:
         self.session_seconds += time.perf_counter() - begin
         if stop.is_set():
             self.emit(Notice(f"interrupted after step {self.step}"))
-        self.settle()
+        self.role.settle()
         self.save()
-
-    def settle(self) -> None:
-        """After the last step, before the last checkpoint (a cluster's chief waits for
-        the other workers here)."""
 
     def _epoch(self, stop: threading.Event) -> bool:
         """Run steps of the current pass; True when the pass ran out of batches."""
@@ -465,6 +442,9 @@ class Session:
     def _distribute(self):
         """The distributed dataset of the current pass, from the current position."""
         config, pipeline = self.config.dataset, self.pipeline
+        if self.role.sliced:  # the sizes of the global batches this process sees slices of
+            self._sizes = (len(b) for b in itertools.islice(pipeline.plan(self.epoch),
+                                                             self.position, None))
         pin = config.pin_memory if config.pin_memory != "auto" else torch.cuda.is_available() \
             and any(d.startswith("GPU") for d in self.devices)
         buffer = pipeline.prefetch
@@ -504,7 +484,7 @@ class Session:
     def _train_step(self, batch: Any, distribute_s: float) -> None:
         x, y = batch
         strategy = self.strategy
-        global_examples = self.global_examples(x)
+        global_examples = self._global_examples(x)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         out = strategy.run(self._replica_step, args=(x, y, global_examples))
@@ -522,21 +502,29 @@ class Session:
         self._record(per_replica, loss, {"distribute": distribute_s, "run": t1 - t0,
                                          "update": t2 - t1, "reduce": t3 - t2})
 
-    def global_examples(self, x: Any) -> int:
-        """The examples of this step's global batch (every replica's slice of ``x``); a
-        step function divides its summed loss by it."""
+    def _global_examples(self, x: Any) -> int:
+        """The examples of this step's global batch; a step function divides its summed
+        loss by it, so that the summed gradients are those of the global-batch mean."""
+        if self.role.sliced:
+            return next(self._sizes)
         return sum(int(t.shape[0]) for t in self.strategy.experimental_local_results(x))
 
     def _check_finite(self, per_replica: Sequence[dict]) -> None:
         for replica, stats in enumerate(per_replica):
             value = float(stats["loss"])
             if not math.isfinite(value):
-                kept = (f"the last checkpoint (step {self.saved_step}, {self.saved_path}) is "
-                        "intact" if self.saved_path else "no checkpoint was written")
                 raise NonFiniteLoss(
                     f"the loss is {value} at step {self.step + 1} on replica {replica} "
-                    f"({self.devices[replica]}); stopped before the update, {kept}. Try a "
-                    "lower optimizer.lr, or check the data for NaN/inf values")
+                    f"({self.devices[replica]}); stopped before the update, "
+                    f"{self.checkpoint_note()}. Try a lower optimizer.lr, or check the data "
+                    "for NaN/inf values")
+
+    def checkpoint_note(self) -> str:
+        """What a failure leaves behind: the last checkpoint, intact, or none."""
+        if self.saved_path:
+            return f"the last checkpoint (step {self.saved_step}, {self.saved_path}) is intact"
+        return "no checkpoint was written" if self.role.is_chief else \
+            "checkpoints are the chief's"
 
     def _record(self, per_replica: Sequence[dict], loss: float, phases: dict) -> None:
         self.step += 1
@@ -573,11 +561,12 @@ class Session:
             phases_s=window.mean_phases())
         self.emit(self.last_log)
         self.window = _Tally(self.replicas)
+        self.role.logged()
 
     def _started(self) -> RunStarted:
         return RunStarted(
             compute_devices=self.devices,
-            parameter_device=self.strategy.extended.parameter_device.short_name,
+            parameter_device=self.role.parameter_device,
             model=f"{self.config.model.kind} ({type(self.model).__name__})",
             parameters=count_parameters(self.model), dataset=self.data.name,
             train_examples=len(self.pipeline.indices), holdout_examples=len(self.holdout),
@@ -588,29 +577,43 @@ class Session:
 
     # -- the end ---------------------------------------------------------------------------
     def evaluate(self) -> Evaluated | None:
-        """Loss and accuracy on the held-out examples, distributed like training."""
-        if len(self.holdout) == 0:
+        """Loss and accuracy on the held-out examples (the chief's to compute)."""
+        if not self.role.is_chief or len(self.holdout) == 0:
             return None
         loader = self.pipeline.eval_loader(self.holdout, self.pipeline.batch_size)
+        # a sliced role's strategy would feed this process only its slice: go around it
+        batches = self._eval_here(loader) if self.role.sliced else \
+            self._eval_distributed(loader)
         totals = {"loss": 0.0, "examples": 0, "correct": 0}
-
-        def eval_step(x, y):
-            with torch.no_grad():  # grad mode is per thread: set it in the replica
-                return self.eval_stats(x, y)
-
         self.model.eval()
         try:
-            with self.strategy.scope():
-                for x, y in self.strategy.experimental_distribute_dataset(loader):
-                    step = self.strategy.reduce("SUM", self.strategy.run(eval_step, (x, y)),
-                                                axis=None)
-                    for key in totals:
-                        totals[key] += step[key].item()
+            for stats in batches:
+                for key in totals:
+                    totals[key] += stats[key].item()
         finally:
             self.model.train()
-        return self.evaluated(totals)
+        examples = int(totals["examples"])
+        return Evaluated(examples, totals["loss"] / examples,
+                         totals["correct"] / examples if self.classify else None)
 
-    def eval_stats(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _eval_distributed(self, loader) -> Iterator[dict[str, torch.Tensor]]:
+        """Each held-out batch's stats, distributed like training, summed over replicas."""
+        def eval_step(x, y):
+            with torch.no_grad():  # grad mode is per thread: set it in the replica
+                return self._eval_stats(x, y)
+
+        with self.strategy.scope():
+            for x, y in self.strategy.experimental_distribute_dataset(loader):
+                yield self.strategy.reduce("SUM", self.strategy.run(eval_step, (x, y)),
+                                           axis=None)
+
+    def _eval_here(self, loader) -> Iterator[dict[str, torch.Tensor]]:
+        """Each held-out batch's stats, on this process's copy of the parameters."""
+        with torch.no_grad():
+            for x, y in loader:
+                yield self._eval_stats(x, y)
+
+    def _eval_stats(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """Summed loss, example count and correct predictions of one held-out batch."""
         output = self.model(x)
         correct = (output.argmax(1) == y).sum() if self.classify else \
@@ -618,20 +621,16 @@ class Session:
         return {"loss": self.loss_fn(output, y), "examples": torch.tensor(x.shape[0]),
                 "correct": correct}
 
-    def evaluated(self, totals: dict[str, float]) -> Evaluated:
-        examples = int(totals["examples"])
-        return Evaluated(examples, totals["loss"] / examples,
-                         totals["correct"] / examples if self.classify else None)
-
     def finish(self, status: str) -> RunResult:
-        """Evaluate (unless interrupted), write the plot, and assemble the result."""
+        """Evaluate (unless interrupted), write the plot, and assemble the result; the
+        role's part of the job ends here."""
         evaluated = self.evaluate() if status == "completed" else None
         if evaluated is not None:
             self.emit(evaluated)
         if self.outputs.plot:
             first = (self.resumed_from or 0) + 1
             write_plot(self.outputs.plot, self.losses, self.step_times, self.devices, first)
-        return RunResult(
+        result = RunResult(
             status=status, steps=self.step, total_steps=self.total_steps,
             epochs=self.step / self.steps_per_epoch if self.steps_per_epoch else None,
             examples=self.totals.examples, losses=list(self.losses),
@@ -644,6 +643,7 @@ class Session:
                       "distribute": self.config.dataset.distribute},
             checkpoint={"dir": self.config.checkpoint.dir, "last": self.saved_path,
                         "last_step": self.saved_step, "resumed_from_step": self.resumed_from})
+        return self.role.end(result, self.model)
 
     def _metrics(self, evaluated: Evaluated | None) -> dict[str, Any]:
         log = self.last_log
@@ -677,6 +677,7 @@ class Session:
                 "slowest_replica": int(np.argmax(times)) if times else None,
                 "examples_max_over_min": max(examples) / min(examples) if min(examples) > 0
                 else None}
+
 
 def _step_log_from(data: dict) -> StepLog:
     replicas = [ReplicaStats(**r) for r in data.pop("replicas")]

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from csrun.core.runner.cluster_role import ClusterSession, connect, run_task
+from csrun.core.runner.cluster_role import ClusterRole, connect, run_task
 from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.launch import free_ports
 from csrun.core.runner.session import Outputs, Session
@@ -41,10 +41,14 @@ def test_two_workers_slices_add_up_to_one_central_storage_step():
     ps = threading.Thread(target=lambda: served.append(run_task(
         config("ps", 0), False, Outputs(), lambda e: None, stop)), daemon=True)
     ps.start()
-    workers = [ClusterSession(config("worker", i), Outputs(), lambda e: None,
-                              connect(config("worker", i))) for i in range(2)]
+
+    def worker_session(i):
+        cfg, emit = config("worker", i), lambda e: None
+        return Session(cfg, Outputs(), emit, ClusterRole(connect(cfg), cfg, emit))
+
+    workers = [worker_session(i) for i in range(2)]
     for worker in workers:
-        worker.ext.pull()  # both start from the initial values
+        worker.strategy.extended.pull()  # both start from the initial values
     for worker in workers:  # one step each, in turn: no update is stale
         with worker.strategy.scope():
             worker._train_step(next(iter(worker._distribute())), 0.0)
@@ -56,14 +60,14 @@ def test_two_workers_slices_add_up_to_one_central_storage_step():
     with reference.strategy.scope():
         reference._train_step(next(iter(reference._distribute())), 0.0)
 
-    workers[0].ext.pull()
+    workers[0].strategy.extended.pull()
     for mine, theirs in zip(workers[0].model.parameters(), reference.model.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
     # each worker's loss is the mean over its own slice: 2 and 1 of the 3 examples
     losses = [w.losses[0] for w in workers]
     assert (2 * losses[0] + losses[1]) / 3 == pytest.approx(reference.losses[0], rel=1e-6)
 
-    workers[1].ext.finish()
-    assert workers[0].ext.finish(timeout=30) == []
+    workers[1].strategy.extended.finish()
+    assert workers[0].strategy.extended.finish(timeout=30) == []
     ps.join(timeout=30)
     assert served and served[0].status == "completed"

@@ -11,7 +11,7 @@ import yaml
 
 from csrun.core.runner.preflight import load_config
 from csrun.core.config.problems import ConfigError
-from csrun.core.runner.session import train
+from csrun.core.runner.train import train
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 NAMES = [c.stem for c in CONFIGS]

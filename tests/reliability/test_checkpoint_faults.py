@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from csrun.cli.main import app
 from csrun.core.runner.checkpoint import CheckpointError, CheckpointManager
 from csrun.core.runner.preflight import load_config_text
-from csrun.core.runner.session import train
+from csrun.core.runner.train import train
 from csrun_processes import TINY
 
 RUN = ["checkpoint.dir=ck", "checkpoint.every_steps=4", "checkpoint.keep=2",

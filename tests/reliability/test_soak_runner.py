@@ -20,7 +20,8 @@ from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 from csrun.cli.render import View
 from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.events import StepDone
-from csrun.core.runner.session import Outputs, train
+from csrun.core.runner.session import Outputs
+from csrun.core.runner.train import train
 from csrun_processes import TINY
 
 

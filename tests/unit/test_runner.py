@@ -11,7 +11,8 @@ from csrun.core.runner.events import CheckpointSaved, Evaluated, Notice, RunStar
 from csrun.core.runner.metrics import tensorboard_available
 from csrun.core.runner.plots import plot_available
 from csrun.core.config.problems import ConfigError
-from csrun.core.runner.session import NonFiniteLoss, Outputs, train
+from csrun.core.runner.session import NonFiniteLoss, Outputs
+from csrun.core.runner.train import train
 
 TINY = """\
 strategy: {compute_devices: [CPU:0, CPU:1]}
@@ -113,7 +114,7 @@ def test_resume_refuses_another_config_and_starts_fresh_without_checkpoints(tmp_
 def test_options_that_cannot_work_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match="--resume needs a checkpoint directory"):
         run(resume=True)
-    monkeypatch.setattr("csrun.core.runner.session.plot_available", lambda: False)
+    monkeypatch.setattr("csrun.core.runner.train.plot_available", lambda: False)
     with pytest.raises(ConfigError, match="matplotlib"):
         run(outputs=Outputs(plot="x.png"))
 

@@ -1,0 +1,116 @@
+"""The entry to training: run a config in the role its strategy gives this process.
+
+Above both :mod:`~csrun.core.runner.session` and :mod:`~csrun.core.runner.cluster_role`
+(which builds on the session), so that imports point one way: a central-storage config
+trains as one :class:`~csrun.core.runner.session.Session` of the whole job; a
+parameter-server config plays this process's task of its cluster.
+
+Example::
+
+    result = train(load_config("configs/quickstart.yaml"), on_event=print)
+    print(result.params_sha256)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Callable, Sequence
+
+from ..config.problems import ConfigError, Problem
+from ..config.schema import RunConfig
+from .cluster_role import run_task
+from .events import Notice, RunResult
+from .metrics import tensorboard_available
+from .plots import plot_available
+from .preflight import check_writable, load_config
+from .session import Outputs, Session, run_session, stop_on_signals
+
+__all__ = ["train", "train_from_file"]
+
+
+def train_from_file(path: str, overrides: Sequence[str] = (), **options: Any) -> RunResult:
+    """Load ``path`` with ``overrides`` (override > file > default) and :func:`train` it.
+
+    Raises:
+      ConfigError: the config or the options have problems (exit code 2).
+      RunError, CheckpointError: the run failed (exit code 1).
+    """
+    return train(load_config(path, overrides), **options)
+
+
+def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = None,
+          on_event: Callable[[Any], None] | None = None,
+          stop: threading.Event | None = None) -> RunResult:
+    """Train ``config``; checkpoint, evaluate the holdout, and report. With
+    ``strategy.kind: parameter_server``, play this process's task of the cluster
+    (:mod:`csrun.core.runner.cluster_role`).
+
+    Args:
+      config: a validated config (:func:`csrun.core.runner.preflight.load_config`).
+      resume: continue from the newest checkpoint in ``checkpoint.dir`` (from the start
+        when there is none); ends bit-for-bit where an uninterrupted run ends.
+      outputs: optional metric, plot and TensorBoard files.
+      on_event: called with each event of :mod:`csrun.core.runner.events`.
+      stop: set it to stop after the current step, save a checkpoint and return with
+        status ``"interrupted"``. In the main thread, Ctrl-C and SIGTERM set it (twice:
+        abort).
+
+    Returns:
+      The :class:`RunResult`.
+
+    Raises:
+      ConfigError: unusable options (``--plot`` without matplotlib, ``--resume`` without
+        ``checkpoint.dir``).
+      RunError: a runtime failure (:class:`NonFiniteLoss`, an empty epoch).
+      CheckpointError: the checkpoint to resume from is damaged or from another run, or
+        one cannot be written.
+    """
+    outputs = outputs or Outputs()
+    _check_options(config, resume, outputs)
+    stop = stop or threading.Event()
+    received: list[str] = []
+    emit = on_event or (lambda event: None)
+    with stop_on_signals(stop, received), _engine_warnings(on_event):
+        if config.strategy.kind == "parameter_server":  # one task of a cluster
+            result = run_task(config, resume, outputs, emit, stop)
+        else:  # the whole job: a LocalRole's session
+            result = run_session(Session(config, outputs, emit), resume, stop)
+        result.signal = received[0] if received and result.status == "interrupted" else None
+        return result
+
+
+def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
+    # output paths are checked now: a bad one found after hours of training loses them
+    problems = check_writable(outputs.metrics, "--metrics") + \
+        check_writable(outputs.plot, "--plot") + \
+        check_writable(outputs.tensorboard, "--tensorboard", directory=True)
+    if resume and not config.checkpoint.dir:
+        problems.append(Problem("checkpoint.dir", "--resume needs a checkpoint directory",
+                                "set checkpoint.dir in the config or as an override"))
+    if outputs.plot and not plot_available():
+        problems.append(Problem("--plot", "needs matplotlib, which is not installed",
+                                "pip install 'csrun[plot]'"))
+    if outputs.tensorboard and not tensorboard_available():
+        problems.append(Problem("--tensorboard", "needs tensorboard, which is not "
+                                "installed", "pip install 'csrun[tensorboard]'"))
+    if problems:
+        raise ConfigError(problems)
+
+
+@contextlib.contextmanager
+def _engine_warnings(on_event: Callable | None):
+    """Report the engine's warnings (e.g. dropped batches) once each, as Notices."""
+    seen: set = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in seen and on_event is not None:
+            seen.add(text)
+            on_event(Notice(text))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        yield
