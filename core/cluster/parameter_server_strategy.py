@@ -22,11 +22,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
 from ..distribute.devices import LogicalDevice, resolve_devices
-from .parameter_server import ParameterServer, ParameterServerClient, placement
 from ..distribute.parameters import ParameterStore
 from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
+from .client import ParameterServerClient, placement
+from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
+from .server import ParameterServer
 
 __all__ = ["ParameterServerStrategy"]
 

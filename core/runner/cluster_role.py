@@ -33,7 +33,7 @@ import torch
 
 from ..config.cluster import cluster_resolver
 from .events import Notice, RunResult
-from ..cluster.parameter_server import ParameterServerError
+from ..cluster.transport import ParameterServerError
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
 from .session import Outputs, RunError, Session, run_session
 from ..distribute.strategy import StrategyOptions

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from csrun.core.cluster.parameter_server import ParameterServerError
+from csrun.core.cluster.transport import ParameterServerError
 from csrun.core import ParameterServerStrategy
 
 

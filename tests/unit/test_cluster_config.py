@@ -204,7 +204,8 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
 
     import torch.distributed as dist
 
-    from csrun.core.cluster.parameter_server import ParameterServerClient, ParameterServerError
+    from csrun.core.cluster.client import ParameterServerClient
+    from csrun.core.cluster.transport import ParameterServerError
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
@@ -228,7 +229,8 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     import torch.distributed as dist
 
     from csrun.core.runner.launch import free_ports
-    from csrun.core.cluster.parameter_server import ParameterServerClient, ParameterServerError, _JobStore
+    from csrun.core.cluster.client import ParameterServerClient, _JobStore
+    from csrun.core.cluster.transport import ParameterServerError
 
     (port,) = free_ports(1)
     host = subprocess.Popen(

@@ -1,0 +1,255 @@
+"""A worker's side of the parameter servers: where each variable lives, and the client
+that pushes gradients to the ps tasks and keeps the job's books in the store.
+
+A worker sums its replicas' gradients locally (the central storage engine), then, at
+``optimizer.step()``, pushes them to the ps that owns each variable and receives the
+updated values in the same round trip (:meth:`ParameterServerClient.push_pull`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .resolvers import ClusterResolver
+from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER, STATE,
+                        Channel, ParameterServerError, connect_store, decode, encode,
+                        flat_by_dtype, pack_state, poll_until, settings_to_json,
+                        transport_error, unflatten_into, unpack_state)
+
+__all__ = ["ParameterServerClient", "placement"]
+
+
+def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
+              colocate: dict[int, int] | None = None) -> list[int]:
+    """The ps task of each variable, in creation order.
+
+    ``round_robin`` is TF's rule (variable i on ps i mod n); ``balanced`` puts each variable
+    on the ps holding the fewest bytes so far (TF users complained of skew). ``colocate``
+    maps a variable index to an earlier one whose ps it must share.
+    """
+    if mode not in ("round_robin", "balanced"):
+        raise ValueError(f"variable placement must be 'round_robin' or 'balanced', got {mode!r}")
+    owners: list[int] = []
+    load = [0] * num_ps
+    for index, size in enumerate(sizes):
+        if colocate and index in colocate:
+            owner = owners[colocate[index]]
+        elif mode == "round_robin":
+            owner = index % num_ps
+        else:
+            owner = min(range(num_ps), key=lambda k: (load[k], k))
+        owners.append(owner)
+        load[owner] += size
+    return owners
+
+
+class _JobStore:
+    """The job's TCPStore as a worker uses it for bookkeeping (steps, joins, who is lost).
+
+    ps:0 hosts it, so when ps:0 dies every call fails with a transport error wherever the
+    worker happens to be (counting a step, say); each becomes the same clear
+    ParameterServerError as a dead ps's channel gives. Channels use ``raw``: their
+    errors name the ps they talk to."""
+
+    def __init__(self, raw: dist.TCPStore, address: str, task: str):
+        self.raw, self._address, self._task = raw, address, task
+
+    def __getattr__(self, name: str):
+        method = getattr(self.raw, name)
+
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except RuntimeError as exc:
+                raise _stopped_answering(f"ps:0 ({self._address}), which holds the job's "
+                                         "store,", self._task, exc) from None
+        return call
+
+
+def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServerError:
+    return ParameterServerError(f"parameter server {ps} stopped answering {task}: "
+                                f"{transport_error(exc)}; the job cannot go on without it")
+
+
+class ParameterServerClient:
+    """A worker's connection to every ps task."""
+
+    def __init__(self, resolver: ClusterResolver, timeout: float = 120.0):
+        self._resolver = resolver
+        self.task = f"{resolver.task_type}:{resolver.task_id}"
+        self.num_ps = resolver.cluster_spec().num_tasks("ps")
+        self._store = _JobStore(connect_store(resolver, False, timeout),
+                                resolver.cluster_spec().task_address("ps", 0), self.task)
+        self._timeout = timeout
+        self._channels: list[Channel] = []
+        self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
+        self._connect()
+
+    def _connect(self) -> None:
+        deadline = time.monotonic() + self._timeout
+        for k in range(self.num_ps):
+            if not poll_until(lambda: self._store.check([f"ps/{k}/ready"]), deadline):
+                raise ParameterServerError(f"ps:{k} did not come up within "
+                                           f"{self._timeout:.0f} s")
+        name = f"{self.task}#{self.incarnation}"
+        for k in range(self.num_ps):
+            slot = self._store.add(f"ps/{k}/joins", 1)
+            self._store.set(f"ps/{k}/join/{slot}", name)
+        timeout = datetime.timedelta(seconds=self._timeout)
+        self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout)
+                          for k in range(self.num_ps)]
+
+    def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            self._channels[k].send(op, payload)
+            answer, reply = self._channels[k].recv()
+        except RuntimeError as exc:
+            address = self._resolver.cluster_spec().task_address("ps", k)
+            raise _stopped_answering(f"ps:{k} ({address})", self.task, exc) from None
+        if answer == ABORTED:
+            raise ParameterServerError(f"the chief ended the job: {decode(reply[0])}")
+        return reply
+
+    # -- variables -------------------------------------------------------------------------
+    def register(self, shards: list[list[tuple[int, torch.Tensor, int]]]) -> None:
+        """Offer initial values (``(var_id, tensor, group)`` per ps) and take the ps's."""
+        for k, shard in enumerate(shards):
+            if not shard:
+                continue
+            meta = {"vars": [{"id": i, "shape": list(t.shape), "group": g,
+                              "dtype": str(t.dtype).replace("torch.", "")} for i, t, g in shard]}
+            ordered = [t for _, t, _ in sorted(shard, key=lambda s: s[0])]
+            reply = self._call(k, REGISTER, [encode(meta)] + flat_by_dtype(ordered))
+            with torch.no_grad():
+                unflatten_into(ordered, reply)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer,
+                           var_groups: dict[int, int]) -> None:
+        """Build the same optimizer on every ps (``var_groups``: var id -> param group)."""
+        spec = {"class": type(optimizer).__name__,
+                "defaults": settings_to_json(optimizer.defaults),
+                "groups": [settings_to_json(g) for g in optimizer.param_groups],
+                "var_groups": {str(k): v for k, v in var_groups.items()}}
+        for k in range(self.num_ps):
+            self._call(k, OPTIMIZER, [encode(spec)])
+
+    def push_pull(self, shards: list[list[tuple[int, torch.Tensor]]], lrs: list[float],
+                  values: list[list[torch.Tensor]]) -> None:
+        """Send gradients (``(var_id, grad)`` per ps), receive every variable's new value."""
+        for k, shard in enumerate(shards):
+            if not values[k]:
+                continue
+            meta = {"ids": [i for i, _ in shard], "lrs": lrs}
+            reply = self._call(k, PUSH_PULL, [encode(meta)] + flat_by_dtype(
+                [g for _, g in shard]))
+            with torch.no_grad():
+                unflatten_into(values[k], reply)
+
+    def pull(self, values: list[list[torch.Tensor]]) -> None:
+        for k in range(self.num_ps):
+            if values[k]:
+                with torch.no_grad():
+                    unflatten_into(values[k], self._call(k, PULL, []))
+
+    def state(self) -> list[dict]:
+        return [unpack_state(self._call(k, STATE, [])[0]) for k in range(self.num_ps)]
+
+    def load(self, states: list[dict]) -> None:
+        for k, state in enumerate(states):
+            self._call(k, LOAD, [pack_state(state)])
+
+    # -- job bookkeeping -------------------------------------------------------------------
+    def count_step(self) -> int:
+        return self._store.add("global_step", 1)
+
+    def set_global_step(self, step: int) -> None:
+        self._store.set("global_step", str(int(step)))
+
+    @property
+    def global_step(self) -> int:
+        return self._store.add("global_step", 0)
+
+    def lost_workers(self) -> dict[str, str]:
+        """Workers a ps saw die (and that have not finished since), with what it saw."""
+        lost = {}
+        spec = self._resolver.cluster_spec()
+        for job in ("chief", "worker"):
+            for i in range(spec.num_tasks(job)):
+                key = f"{job}:{i}"
+                if self._store.check([f"lost/{key}"]) and not self._store.check(
+                        [f"finished/{key}"]):
+                    lost[key] = self._store.get(f"lost/{key}").decode()
+        return lost
+
+    def mark_initialized(self, info: dict | None = None) -> None:
+        """Chief: the variables hold their starting values (fresh, or restored);
+        ``info`` (JSON data, e.g. where training starts) goes to the other workers."""
+        self._store.set("job/initialized", json.dumps(info or {}))
+
+    def wait_initialized(self, timeout: float) -> dict:
+        """Other workers: wait until the chief has initialized (or restored) the
+        variables, as TF's non-chief workers wait for the chief's session; returns the
+        chief's ``info``."""
+        def initialized() -> bool:
+            if self._store.check(["job/aborted"]):  # the chief failed before initializing
+                raise ParameterServerError(f"the job was aborted: "
+                                           f"{self._store.get('job/aborted').decode()}")
+            return self._store.check(["job/initialized"])
+
+        if not poll_until(initialized, time.monotonic() + timeout):
+            raise ParameterServerError(f"the chief did not initialize the variables "
+                                       f"within {timeout:.0f} s; is it running?")
+        return json.loads(self._store.get("job/initialized"))
+
+    def abort(self, reason: str) -> None:
+        """Chief: end the job after a failure; each ps answers the workers' next
+        message with ``reason`` (they fail with it) and stops."""
+        try:
+            self._store.set("job/aborted", reason[:500])
+            self._store.set("job/done", "1")
+        except RuntimeError:  # ps:0, and the store with it, is gone already
+            pass
+
+    def finish(self) -> None:
+        """Say goodbye to every ps (this worker is done)."""
+        for channel in self._channels:
+            try:
+                channel.send(BYE, [])
+            except RuntimeError:
+                pass
+
+    def wait_for_workers(self, tasks: list[str], timeout: float,
+                         report: Callable[[str, str], None] | None = None) -> list[str]:
+        """Chief: wait until every other worker finished or was lost; return the lost ones."""
+        lost: dict[str, str] = {}  # as last seen: a restarted worker may finish after all
+        reported: set = set()
+
+        def settled() -> bool:
+            lost.clear()
+            lost.update(self.lost_workers())
+            for task, why in lost.items():
+                if task not in reported and report is not None:
+                    report(task, why)
+                reported.add(task)
+            return all(t in lost or self._store.check([f"finished/{t}"]) for t in tasks)
+
+        poll_until(settled, time.monotonic() + timeout)
+        return sorted(lost)
+
+    def end_job(self, timeout: float = 60.0) -> list[list]:
+        """Chief: stop the ps tasks; return each one's log of applied pushes
+        (``[worker, version]`` in the order they were applied)."""
+        self._store.set("job/done", "1")
+        deadline = time.monotonic() + timeout
+        for k in range(self.num_ps):
+            if not poll_until(lambda: self._store.check([f"ps/{k}/stopped"]), deadline, 0.02):
+                raise ParameterServerError(f"ps:{k} did not stop within {timeout:.0f} s")
+        logs = [json.loads(self._store.get(f"ps/{k}/log")) for k in range(self.num_ps)]
+        self._store.set("job/closed", "1")  # ps:0 may now stop, and the store with it
+        return logs

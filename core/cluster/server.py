@@ -1,0 +1,185 @@
+"""A ``ps`` task's server: its shard of the variables, updated asynchronously by workers.
+
+Each ps task holds its shard of the variables and an optimizer over them (optimizer state
+lives with its variable). A worker pushes its summed gradients to the ps that owns each
+variable and receives the updated values in the same round trip. The ps applies pushes
+in the order they arrive, one at a time: workers are asynchronous to each other. It
+serves each worker incarnation on a thread of its own, over a :class:`.transport.Channel`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+from .resolvers import ClusterResolver
+from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER,
+                        STATE, Channel, connect_store, decode, encode, flat_by_dtype,
+                        pack_state, poll_until, settings_from_json, unflatten_into,
+                        unpack_state, views_like)
+
+__all__ = ["ParameterServer"]
+
+
+class ParameterServer:
+    """A ``ps`` task: holds a shard of the variables and applies pushed gradients."""
+
+    def __init__(self, resolver: ClusterResolver, timeout: float = 60.0):
+        if resolver.task_type != "ps":
+            raise ValueError(f"task {resolver.task_type}:{resolver.task_id} is not a ps task")
+        self.task_id = resolver.task_id
+        self._store = connect_store(resolver, resolver.task_id == 0, timeout)
+        self._vars: dict[int, torch.Tensor] = {}
+        self._groups: dict[int, int] = {}
+        self._optimizer = None
+        self._lock = threading.Lock()
+        self.version = 0
+        self.log: list[tuple[str, int]] = []  # (worker, version) of every applied push
+        self._aborted: str | None = None  # why the chief ended the job after a failure
+        self._threads: list[threading.Thread] = []
+        self._joined = 0  # workers accepted so far (the store counts those that asked)
+
+    # -- serving ---------------------------------------------------------------------------
+    def serve(self, poll: float = 0.02, close_timeout: float = 60.0,
+              stop: threading.Event | None = None, grace: float = 60.0) -> bool:
+        """Accept workers and answer them until the chief marks the job done.
+
+        Once ``stop`` is set (a first Ctrl-C or SIGTERM), the ps serves on for at most
+        ``grace`` seconds, so that the workers can stop cleanly and the chief can write
+        its last checkpoint. Returns True when the chief ended the job, False when the
+        grace ran out first.
+        """
+        self._store.set(f"ps/{self.task_id}/ready", "1")
+
+        def done() -> bool:
+            self._accept_joins()
+            return self._store.check(["job/done"])
+
+        stopping = stop.is_set if stop is not None else lambda: False
+        poll_until(lambda: done() or stopping(), poll=poll)
+        if not poll_until(done, time.monotonic() + grace, poll):
+            return False
+        self._close(poll, close_timeout)
+        return True
+
+    def _accept_joins(self) -> None:
+        joined = self._store.add(f"ps/{self.task_id}/joins", 0)
+        while self._joined < joined:
+            self._joined += 1
+            name = self._store.get(f"ps/{self.task_id}/join/{self._joined}").decode()
+            thread = threading.Thread(target=self._connection, args=(name,), daemon=True,
+                                      name=f"csrun-ps{self.task_id}-{name}")
+            thread.start()
+            self._threads.append(thread)
+
+    def _close(self, poll: float, close_timeout: float) -> None:
+        if self._store.check(["job/aborted"]):  # the chief failed: tell the workers why
+            self._aborted = self._store.get("job/aborted").decode()
+            deadline = time.monotonic() + 10.0
+            for thread in self._threads:  # each ends when its worker hears and exits
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        for thread in self._threads:  # workers said goodbye or died; let the threads end
+            thread.join(timeout=5)
+        with self._lock:
+            self._store.set(f"ps/{self.task_id}/log", json.dumps(self.log))
+        self._store.set(f"ps/{self.task_id}/stopped", "1")
+        if self.task_id == 0:  # the store lives here: stay until the chief is done with it
+            poll_until(lambda: self._store.check(["job/closed"]),
+                       time.monotonic() + close_timeout, poll)
+
+    def _connection(self, name: str) -> None:
+        worker = name.rsplit("#", 1)[0]
+        try:
+            channel = Channel(self._store, f"chan/{self.task_id}/{name}", 0, FOREVER)
+            while True:
+                op, payload = channel.recv()
+                if op == BYE:
+                    self._store.set(f"finished/{worker}", "1")
+                    return
+                if self._aborted is not None:
+                    channel.send(ABORTED, [encode(self._aborted)])
+                    continue
+                channel.send(op, self._answer(op, payload, worker))
+        except RuntimeError as exc:  # the peer died or its connection broke
+            self._store.set(f"lost/{worker}", f"ps:{self.task_id} lost {name}: {exc}"[:500])
+
+    def _answer(self, op: int, payload: list[torch.Tensor], worker: str) -> list[torch.Tensor]:
+        with self._lock:
+            if op == REGISTER:
+                self._register(decode(payload[0]), payload[1:])
+            elif op == OPTIMIZER:
+                self._make_optimizer(decode(payload[0]))
+            elif op == PUSH_PULL:
+                self._apply(decode(payload[0]), payload[1:], worker)
+            elif op == STATE:
+                return [pack_state(self.state_dict())]
+            elif op == LOAD:
+                self.load_state_dict(unpack_state(payload[0]))
+            elif op != PULL:
+                raise RuntimeError(f"unknown message {op}")
+            return self._values()
+
+    # -- variables -------------------------------------------------------------------------
+    def _values(self) -> list[torch.Tensor]:
+        return flat_by_dtype([self._vars[i] for i in sorted(self._vars)]) if self._vars else []
+
+    def _register(self, meta: dict, flats: list[torch.Tensor]) -> None:
+        if self._vars:  # the first worker's values initialize the shard; later ones pull
+            return
+        specs = sorted(meta["vars"], key=lambda v: v["id"])
+        variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for v in specs]
+        unflatten_into(variables, flats)
+        for spec, tensor in zip(specs, variables):
+            self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
+            self._groups[spec["id"]] = spec.get("group", 0)
+
+    def _make_optimizer(self, spec: dict) -> None:
+        if self._optimizer is not None or not self._vars:
+            return
+        cls = getattr(torch.optim, spec["class"], None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise RuntimeError(f"optimizer {spec['class']!r} is not a torch.optim optimizer")
+        for var_id, group in spec.get("var_groups", {}).items():
+            if int(var_id) in self._groups:
+                self._groups[int(var_id)] = group
+        groups, self._group_index = [], []
+        for index, settings in enumerate(spec["groups"]):
+            params = [self._vars[i] for i in sorted(self._vars) if self._groups[i] == index]
+            if params:
+                groups.append({**settings_from_json(settings), "params": params})
+                self._group_index.append(index)
+        self._optimizer = cls(groups, **settings_from_json(spec["defaults"]))
+
+    def _apply(self, meta: dict, flats: list[torch.Tensor], worker: str) -> None:
+        if self._optimizer is None:
+            raise RuntimeError("a gradient arrived before the optimizer was registered")
+        targets = [self._vars[i] for i in meta["ids"]]
+        grads = views_like(targets, flats)  # the received buffers themselves, no copy
+        for tensor in self._vars.values():
+            tensor.grad = None
+        for tensor, grad in zip(targets, grads):
+            tensor.grad = grad
+        lrs = meta.get("lrs", [])
+        for group, index in zip(self._optimizer.param_groups, self._group_index):
+            if index < len(lrs):  # the worker's LR schedule drives the ps's optimizer
+                group["lr"] = lrs[index]
+        self._optimizer.step()
+        self.version += 1
+        self.log.append((worker, self.version))
+
+    def state_dict(self) -> dict:
+        return {"values": {i: t.detach().clone() for i, t in self._vars.items()},
+                "optimizer": self._optimizer.state_dict() if self._optimizer else None,
+                "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for i, value in state["values"].items():
+                self._vars[int(i)].copy_(value)
+        if state.get("optimizer") is not None and self._optimizer is not None:
+            self._optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state.get("version", 0))

@@ -1,0 +1,186 @@
+"""The parameter servers' transport: the job's store, channels, and what travels on them.
+
+Transport is ``torch.distributed`` alone: a ``TCPStore`` hosted by ``ps:0`` for rendezvous
+and bookkeeping, and one two-rank gloo process group per (worker incarnation, ps) pair for
+tensors. Pair groups, not one global group, so that a worker that dies only breaks its own
+channels and a restarted worker rejoins with fresh ones (a global group cannot change its
+membership).
+
+Messages are a fixed-size int64 header (operation and the dtype/size of each payload)
+followed by flat payload tensors; structured data travels as UTF-8 JSON bytes, and
+checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
+
+Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
+``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
+``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
+``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import re
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .resolvers import ClusterResolver
+
+__all__ = ["ParameterServerError"]
+
+REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED = range(1, 9)
+_HEADER = 32
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.uint8, torch.bool]
+_CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
+FOREVER = datetime.timedelta(days=7)
+
+
+class ParameterServerError(RuntimeError):
+    """A parameter server cannot be reached or stopped answering: the job cannot go on."""
+
+
+# -- the store ---------------------------------------------------------------------------
+def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float
+                  ) -> dist.TCPStore:
+    """The job's store at ``ps:0``'s address: hosted there, joined by every other task."""
+    host, _, port = resolver.cluster_spec().task_address("ps", 0).rpartition(":")
+    try:
+        return dist.TCPStore(host, int(port), is_master=is_master, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as exc:
+        role = "host" if is_master else "reach"
+        raise ParameterServerError(f"cannot {role} the cluster's store at ps:0 ({host}:{port}): "
+                                   f"{exc}") from None
+
+
+def poll_until(done: Callable[[], bool], deadline: float = float("inf"),
+               poll: float = 0.05) -> bool:
+    """Call ``done`` every ``poll`` seconds until it is true (True) or the monotonic
+    ``deadline`` passes (False).
+
+    Polling, not ``TCPStore.wait``: a wait cannot also watch for an abort or do work
+    between checks, logs C++ warnings when it times out, and its timeout is a
+    RuntimeError like a dead store's, which callers must tell apart.
+    """
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+# -- framing -----------------------------------------------------------------------------
+def encode(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def decode(tensor: torch.Tensor) -> Any:
+    return json.loads(bytes(tensor.numpy()).decode())
+
+
+def pack_state(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def unpack_state(tensor: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(bytes(tensor.numpy())), weights_only=True)
+
+
+def settings_to_json(settings: dict) -> dict:
+    """An optimizer's (or param group's) settings as JSON data: tensors as numbers,
+    tuples (Adam's betas) tagged so that :func:`settings_from_json` restores them."""
+    out = {}
+    for key, value in settings.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, tuple):
+            value = {"__tuple__": list(value)}
+        if isinstance(value, (int, float, bool, str, type(None), list, dict)):
+            out[key] = value
+    return out
+
+
+def settings_from_json(settings: dict) -> dict:
+    return {k: tuple(v["__tuple__"]) if isinstance(v, dict) and "__tuple__" in v else v
+            for k, v in settings.items()}
+
+
+class Channel:
+    """One worker incarnation <-> one ps: a two-rank gloo group (rank 0 is the ps)."""
+
+    def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta):
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, timeout)
+        self._peer = 1 - rank
+        self._lock = threading.Lock()
+
+    def send(self, op: int, payload: list[torch.Tensor]) -> None:
+        if len(payload) > (_HEADER - 2) // 2:
+            raise ValueError("too many payload tensors for one message")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = op, len(payload)
+        for i, tensor in enumerate(payload):
+            header[2 + 2 * i] = _CODE[tensor.dtype]
+            header[3 + 2 * i] = tensor.numel()
+        flat = [tensor.contiguous().view(-1) for tensor in payload]
+        with self._lock:  # all posted, then waited for: one wait, not one per tensor
+            works = [self._pg.send([header], self._peer, 0)] + [
+                self._pg.send([tensor], self._peer, 1 + i) for i, tensor in enumerate(flat)]
+            for work in works:
+                work.wait()
+
+    def recv(self) -> tuple[int, list[torch.Tensor]]:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        with self._lock:
+            self._pg.recv([header], self._peer, 0).wait()
+            op, count = int(header[0]), int(header[1])
+            payload = [torch.empty(int(header[3 + 2 * i]), dtype=_DTYPES[int(header[2 + 2 * i])])
+                       for i in range(count)]
+            works = [self._pg.recv([tensor], self._peer, 1 + i)
+                     for i, tensor in enumerate(payload)]
+            for work in works:
+                work.wait()
+        return op, payload
+
+
+def transport_error(exc: BaseException) -> str:
+    """gloo's message without its source location and generic advice:
+    ``Read error [127.0.0.1]:28317: Connection reset by peer``."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0][:200]
+
+
+# -- flat packing: one tensor per dtype on the wire --------------------------------------
+def flat_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor.detach().reshape(-1))
+    return [torch.cat(group) for group in groups.values()]
+
+
+def views_like(targets: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into ``flats`` (one per dtype, as :func:`flat_by_dtype` made them) shaped
+    like ``targets``, in the same order."""
+    flat_of = dict(zip(dict.fromkeys(t.dtype for t in targets), flats))
+    offsets: dict = {}
+    views = []
+    for tensor in targets:
+        offset = offsets.get(tensor.dtype, 0)
+        views.append(flat_of[tensor.dtype][offset:offset + tensor.numel()].view_as(tensor))
+        offsets[tensor.dtype] = offset + tensor.numel()
+    return views
+
+
+def unflatten_into(targets: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
+    for tensor, view in zip(targets, views_like(targets, flats)):
+        tensor.copy_(view)
