@@ -131,13 +131,6 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def available_device_names() -> list[str]:
-    """Short names of every local device, for error messages."""
-    names = [f"CPU:{i}" for i in range(logical_cpu_count())]
-    names += [f"GPU:{i}" for i in range(_gpu_count())]
-    return names
-
-
 def _available_hint() -> str:
     cpus = logical_cpu_count()
     hint = f"available: CPU:0..CPU:{cpus - 1} (logical CPUs"
@@ -237,37 +230,36 @@ def _check_exists(device: LogicalDevice, spec: object) -> None:
         raise DeviceError(f"device {spec!r} is not here", _available_hint())
 
 
-def resolve_device(spec: object, *, check: bool = True) -> LogicalDevice:
-    """Parse ``spec`` and, with ``check``, make sure the device exists on this machine."""
+def resolve_device(spec: object) -> LogicalDevice:
+    """Parse ``spec`` and make sure the device exists on this machine."""
     try:
         device = parse_device(spec)
     except DeviceError as exc:
         raise DeviceError(str(exc), _available_hint()) from None
-    if check:
-        _check_exists(device, spec)
+    _check_exists(device, spec)
     return device
 
 
-def resolve_devices(specs: object, what: str = "compute_devices") -> list[LogicalDevice]:
-    """Resolve a list of device spellings; refuse empty lists and duplicates.
+def resolve_devices(specs: object) -> list[LogicalDevice]:
+    """Resolve a list of compute device spellings; refuse empty lists and duplicates.
 
     A bare string is refused (TF fails on it too, by iterating its characters).
     """
     if isinstance(specs, (str, torch.device)):
-        raise TypeError(f"{what} must be a list of device names, got the single device "
+        raise TypeError(f"compute_devices must be a list of device names, got the single device "
                         f"{specs!r}; did you mean [{str(specs)!r}]?")
     if not isinstance(specs, Iterable):
-        raise TypeError(f"{what} must be a list of device names, got {type(specs).__name__} "
-                        f"{specs!r}")
+        raise TypeError(f"compute_devices must be a list of device names, got "
+                        f"{type(specs).__name__} {specs!r}")
     specs = list(specs)
     if not specs:
-        raise DeviceError(f"{what} is empty; give at least one device", _available_hint())
+        raise DeviceError("compute_devices is empty; give at least one device", _available_hint())
     devices = [resolve_device(s) for s in specs]
     seen: dict[LogicalDevice, object] = {}
     for spec, device in zip(specs, devices):
         if device in seen:
             raise DeviceError(
-                f"{what} lists {device.short_name} twice ({seen[device]!r} and {spec!r}); "
+                f"compute_devices lists {device.short_name} twice ({seen[device]!r} and {spec!r}); "
                 "each replica needs its own device", _available_hint())
         seen[device] = spec
     return devices

@@ -513,8 +513,9 @@ class ReplicaExecutor:
                 self._workers[replica_id] = worker
         worker.inbox.put(task)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop every worker thread (they are idle between runs)."""
+    def shutdown(self) -> None:
+        """Stop every worker thread (they are idle between runs; one still in user code
+        is waited for 5 s at most)."""
         with self._lock:
             workers = list(self._workers.values())
             self._workers.clear()
@@ -522,7 +523,7 @@ class ReplicaExecutor:
             worker.inbox.put(None)
         for worker in workers:
             if worker.thread is not threading.current_thread():
-                worker.thread.join(timeout)
+                worker.thread.join(5.0)
 
     @property
     def num_threads(self) -> int:

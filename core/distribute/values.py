@@ -19,7 +19,6 @@ __all__ = [
     "Mirrored",
     "map_structure",
     "flatten",
-    "is_nest",
     "regroup",
     "select_replica",
     "unstack",
@@ -69,11 +68,6 @@ class Mirrored(DistributedValues):
 
 def _is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
-
-
-def is_nest(value: object) -> bool:
-    """True for the containers a nest is built from."""
-    return isinstance(value, (tuple, list, dict))
 
 
 def _rebuild(template: Any, items: list) -> Any:
@@ -204,8 +198,7 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
-            collapse_identical: bool = True) -> Any:
+def regroup(per_replica: Sequence[Any], collapse_identical: bool = True) -> Any:
     """Combine the outputs of each replica into one nest of distributed values.
 
     A position where all replicas hold the very same object keeps that object (TF's
@@ -216,12 +209,12 @@ def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
     if len(per_replica) == 1:
         return first
     if not isinstance(first, (tuple, list, dict)):  # a leaf: the common case, kept lean
-        return _regroup_leaf(per_replica, wrap, collapse_identical)
+        return _regroup_leaf(per_replica, collapse_identical)
     if isinstance(first, dict):
         for i, other in enumerate(per_replica[1:], 1):
             if not isinstance(other, dict) or other.keys() != first.keys():
                 raise _structure_error(i, first, other)
-        items = {k: regroup([r[k] for r in per_replica], wrap, collapse_identical)
+        items = {k: regroup([r[k] for r in per_replica], collapse_identical)
                  for k in first}
         return items if type(first) is dict else type(first)(items)
     # a tuple or list (namedtuples included)
@@ -229,22 +222,22 @@ def regroup(per_replica: Sequence[Any], wrap: type = PerReplica,
         if type(other) is not type(first) or len(other) != len(first):
             raise _structure_error(i, first, other)
     # columns as tuples from zip; leaves handled here, without a regroup call each
-    items = [regroup(column, wrap, collapse_identical)
+    items = [regroup(column, collapse_identical)
              if isinstance(column[0], (tuple, list, dict))
-             else _regroup_leaf(column, wrap, collapse_identical)
+             else _regroup_leaf(column, collapse_identical)
              for column in zip(*per_replica)]
     return tuple(items) if type(first) is tuple else _rebuild(first, items)
 
 
-def _regroup_leaf(values: Sequence[Any], wrap: type, collapse_identical: bool) -> Any:
-    """One leaf position of :func:`regroup`: the shared object, or ``wrap(values)``."""
+def _regroup_leaf(values: Sequence[Any], collapse_identical: bool) -> Any:
+    """One leaf position of :func:`regroup`: the shared object, or a PerReplica."""
     first = values[0]
     same = collapse_identical
     for i, v in enumerate(values):
         if isinstance(v, (tuple, list, dict)):
             raise _structure_error(i, first, v)
         same = same and v is first
-    return first if same else wrap(values)
+    return first if same else PerReplica(values)
 
 
 def local_results(value: Any, num_replicas: int) -> tuple:

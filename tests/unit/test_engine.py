@@ -247,7 +247,7 @@ def test_a_backward_through_an_earlier_runs_outputs_reaches_the_optimizer(
         with pytest.raises(ValueError):
             strategy.run(lambda: (other(x).sum().backward(), _raise(ValueError("boom"))))
     strategy.reduce("SUM", first).backward()
-    strategy.extended._store.flush_pending()  # what optimizer.step() does first
+    strategy.extended.store.flush_pending()  # what optimizer.step() does first
     assert layer.weight.grad.tolist() == [[2.0 * replicas] * 3]
     assert layer.bias.grad.tolist() == [2.0 * replicas]
     # a failed run's gradients are dropped, except one direct replica's, which are in
@@ -268,7 +268,7 @@ def test_a_late_backward_is_collected_once():
     assert layer.weight.grad.tolist() == [[4.0] * 3]
     strategy.reduce("SUM", first).backward()
     for _ in range(3):  # every later flush (run, optimizer.step) finds nothing new
-        strategy.extended._store.flush_pending()
+        strategy.extended.store.flush_pending()
         strategy.run(lambda: x.sum())
     assert layer.weight.grad.tolist() == [[8.0] * 3]
 
@@ -292,13 +292,13 @@ def test_a_deleted_model_is_freed_and_the_next_one_trains(replicas, copy):
         with torch.no_grad():
             layer.weight.fill_(1.0)
         strategy.run(lambda v: layer(v).sum().backward(), args=(batch,))
-        strategy.extended._store.flush_pending()
+        strategy.extended.store.flush_pending()
         assert layer.weight.grad.tolist() == [[2.0 * replicas] * 4] * 2  # the new one
         freed.append(weakref.ref(layer.weight))
         del layer
         gc.collect()
     assert [ref() is None for ref in freed] == [not copy] * 3
-    store = strategy.extended._store
+    store = strategy.extended.store
     if not copy:
         assert not any(store._aliases) and not store._followed and not store.tensors()
 
@@ -332,7 +332,7 @@ def test_a_model_freed_during_a_run_or_between_runs_leaves_the_others_whole(copy
 
     outputs = strategy.experimental_local_results(strategy.run(step))
     assert [round(o.item(), 5) for o in outputs] == [2.4, 2.4]
-    strategy.extended._store.flush_pending()
+    strategy.extended.store.flush_pending()
     assert layer.weight.grad.tolist() == [[2.0] * 3]
     layer.weight.grad = None
     first = strategy.run(lambda: layer(x).sum())
@@ -340,7 +340,7 @@ def test_a_model_freed_during_a_run_or_between_runs_leaves_the_others_whole(copy
     gc.collect()
     strategy.run(lambda: layer(x).sum().backward())
     strategy.reduce("SUM", first).backward()
-    strategy.extended._store.flush_pending()
+    strategy.extended.store.flush_pending()
     assert layer.weight.grad.tolist() == [[4.0] * 3]
 
 
@@ -359,7 +359,7 @@ def test_freezing_a_parameter_between_runs_stops_its_gradient(replicas, copy):
     def grads():
         layer.weight.grad = layer.bias.grad = None
         strategy.run(step, args=(batch,))
-        strategy.extended._store.flush_pending()
+        strategy.extended.store.flush_pending()
         return layer.weight.grad, layer.bias.grad
     assert all(g is not None for g in grads())
     layer.weight.requires_grad_(False)
@@ -772,8 +772,8 @@ def test_batches_made_under_no_grad_keep_their_link_to_the_dataset(source):
 # -- device errors ------------------------------------------------------------------------
 @pytest.mark.parametrize("devices, message", [
     (["CPU:99999"], "device 'CPU:99999' does not exist"),
-    (["CPU:0", "/cpu:0"], "compute_devices lists CPU:0 twice ('CPU:0' and '/cpu:0'); "
-                          "each replica needs its own device"),
+    (["CPU:0", "/cpu:0"], ("compute_devices lists CPU:0 twice ('CPU:0' and '/cpu:0'); "
+                           "each replica needs its own device")),
     ([], "compute_devices is empty; give at least one device"),
     (["TPU:0"], "cannot parse device 'TPU:0'"),
 ])
