@@ -94,7 +94,7 @@ class ParameterServerClient:
     def _connect(self) -> None:
         deadline = time.monotonic() + self._timeout
         for k in range(self.num_ps):
-            if not poll_until(lambda: self._store.check([f"ps/{k}/ready"]), deadline):
+            if not poll_until(self._is_set(f"ps/{k}/ready"), deadline):
                 raise ParameterServerError(f"ps:{k} did not come up within "
                                            f"{self._timeout:.0f} s")
         name = f"{self.task}#{self.incarnation}"
@@ -104,6 +104,9 @@ class ParameterServerClient:
         timeout = datetime.timedelta(seconds=self._timeout)
         self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout)
                           for k in range(self.num_ps)]
+
+    def _is_set(self, key: str) -> Callable[[], bool]:
+        return lambda: self._store.check([key])
 
     def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
@@ -248,7 +251,7 @@ class ParameterServerClient:
         self._store.set("job/done", "1")
         deadline = time.monotonic() + timeout
         for k in range(self.num_ps):
-            if not poll_until(lambda: self._store.check([f"ps/{k}/stopped"]), deadline, 0.02):
+            if not poll_until(self._is_set(f"ps/{k}/stopped"), deadline, 0.02):
                 raise ParameterServerError(f"ps:{k} did not stop within {timeout:.0f} s")
         logs = [json.loads(self._store.get(f"ps/{k}/log")) for k in range(self.num_ps)]
         self._store.set("job/closed", "1")  # ps:0 may now stop, and the store with it

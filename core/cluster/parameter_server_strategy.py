@@ -126,7 +126,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         workers, index = 1, 0
         if resolver is not None:
             spec = resolver.cluster_spec()
-            self._worker_tasks = ([f"chief:0"] if spec.num_tasks("chief") else []) + \
+            self._worker_tasks = (["chief:0"] if spec.num_tasks("chief") else []) + \
                 [f"worker:{i}" for i in range(spec.num_tasks("worker"))]
             workers = len(self._worker_tasks)
             me = f"{self._task_type}:{self._task_id}"

@@ -62,9 +62,8 @@ def _check_gpus(count: int) -> list[Problem]:
     try:
         resolve_devices([f"GPU:{i}" for i in range(count)])
     except DeviceError as exc:
-        message, _, hint = str(exc).partition("; available")
         return [Problem("strategy.num_gpus_per_worker", f"{count} GPU(s) per worker: "
-                        f"{message}", f"available{hint}" if hint else None)]
+                        f"{exc.message}", exc.hint)]
     return []
 
 

@@ -191,7 +191,7 @@ def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
 
     def broken_session(*args):
         raise OSError("data file vanished")
-    monkeypatch.setattr(cluster_runner, "ClusterSession", broken_session)
+    monkeypatch.setattr(cluster_runner, "Session", broken_session)
     with pytest.raises(OSError, match="vanished"):
         cluster_runner.run_task(None, False, None, lambda event: None, threading.Event())
     assert aborted == ["worker:0 failed: OSError: data file vanished"]
