@@ -58,12 +58,13 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
         abort).
 
     Returns:
-      The :class:`RunResult`.
+      The :class:`~csrun.core.runner.events.RunResult`.
 
     Raises:
       ConfigError: unusable options (``--plot`` without matplotlib, ``--resume`` without
         ``checkpoint.dir``).
-      RunError: a runtime failure (:class:`NonFiniteLoss`, an empty epoch).
+      RunError: a runtime failure (:class:`~csrun.core.runner.session.NonFiniteLoss`, an
+        empty epoch).
       CheckpointError: the checkpoint to resume from is damaged or from another run, or
         one cannot be written.
     """
