@@ -36,7 +36,7 @@ def train() -> int:
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    data = torch.Generator().manual_seed(100 + ext._replica_offset)
+    data = torch.Generator().manual_seed(100 + ext.replica_offset)
     x_all = torch.randn(512, 4, generator=data)
     y_all = x_all.sum(1, keepdim=True)
     steps, die_at = int(os.environ["PS_STEPS"]), int(os.environ.get("PS_DIE_AT", "-1"))
