@@ -86,6 +86,10 @@ def _resolve(strategy: Any, environ: Mapping[str, str]
         env = parse_tf_config(environ.get("TF_CONFIG", ""))
     except ClusterError as exc:
         return None, _problems(exc.problems, TF_CONFIG_ORIGIN, TF_CONFIG_SHAPE)
+    except ValueError as exc:  # json's int() of more than 4300 digits: no JSONDecodeError
+        return None, [Problem("strategy.cluster", "TF_CONFIG cannot be read: " +
+                              str(exc).split("; use sys.")[0], TF_CONFIG_SHAPE,
+                              origin=TF_CONFIG_ORIGIN)]
     env_cluster = _jobs(env.cluster) if env and env.cluster is not None else None
     mine = _jobs(strategy.cluster.model_dump()) if strategy.cluster is not None else None
     if mine is None and env_cluster is None:

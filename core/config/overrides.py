@@ -39,8 +39,10 @@ def parse_override(text: str) -> tuple[tuple, Any]:
 
 def key_path(dotted: str) -> tuple:
     """``"a.b.0"`` -> ``("a", "b", 0)``; only ASCII digits make an index (``"²"`` has
-    ``isdigit()`` but is no number)."""
-    return tuple(int(p) if p.isascii() and p.isdigit() else p for p in dotted.split("."))
+    ``isdigit()`` but is no number), and at most 18 of them: ``int()`` of thousands
+    raises, and no list is that long (the key stays text: "not an index")."""
+    return tuple(int(p) if p.isascii() and p.isdigit() and len(p) <= 18 else p
+                 for p in dotted.split("."))
 
 
 def apply_overrides(data: dict, overrides: Sequence[str], origins: dict) -> list[Problem]:

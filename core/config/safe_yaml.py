@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from typing import Any
 
 import yaml
@@ -53,9 +54,10 @@ class YamlDocument:
 
 class _TooComplex(Exception):
     def __init__(self, message: str, line: int | None,
-                 hint: str = "write the values out instead of using aliases"):
+                 hint: str = "write the values out instead of using aliases",
+                 path: tuple = ()):
         super().__init__(message)
-        self.line, self.hint = line, hint
+        self.line, self.hint, self.path = line, hint, path
 
 
 class _CountingLoader(yaml.SafeLoader):
@@ -97,6 +99,7 @@ def _walk(node: yaml.Node, path: tuple, lines: dict, dupes: list, budget: list) 
     one forever), so the depth is checked here too.
     """
     budget[0] -= 1
+    _check_int(node, path)
     if budget[0] < 0:
         raise _TooComplex(f"the YAML expands to more than {MAX_NODES} values (alias "
                           "expansion?)", node.start_mark.line + 1)
@@ -110,6 +113,7 @@ def _walk(node: yaml.Node, path: tuple, lines: dict, dupes: list, budget: list) 
                         value_node, yaml.SequenceNode) else [value_node]:
                     _walk(merged, path, lines, dupes, budget)
                 continue
+            _check_int(key_node, path)
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
             if key in seen:
                 dupes.append((path + (key,), key_node.start_mark.line + 1))
@@ -120,6 +124,17 @@ def _walk(node: yaml.Node, path: tuple, lines: dict, dupes: list, budget: list) 
         for i, item in enumerate(node.value):
             lines[path + (i,)] = item.start_mark.line + 1
             _walk(item, path + (i,), lines, dupes, budget)
+
+
+def _check_int(node: yaml.Node, path: tuple) -> None:
+    """Python refuses ``int()`` of more than 4300 digits with a ValueError (a guard against
+    quadratic conversion); found before constructing, it is a problem at its line."""
+    limit = sys.get_int_max_str_digits()
+    if limit and isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int" \
+            and len(node.value) > limit:
+        raise _TooComplex(f"an integer of {len(node.value)} digits; Python reads at most "
+                          f"{limit}", node.start_mark.line + 1,
+                          "a config needs far smaller numbers; quote it if it is text", path)
 
 
 def _dotted(path: tuple) -> str:
@@ -153,7 +168,8 @@ def load_yaml(text: str, file: str | None = None) -> YamlDocument:
                                for p, line in dupes])
         data = loader.construct_document(node) if node is not None else None
     except _TooComplex as exc:
-        raise ConfigError([Problem("", str(exc), exc.hint, file, exc.line)]) from None
+        raise ConfigError([Problem(_dotted(exc.path), str(exc), exc.hint, file, exc.line)]) \
+            from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         message = " ".join(str(s) for s in (exc.context, exc.problem) if s)
