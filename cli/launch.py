@@ -51,7 +51,7 @@ def launch(
     stopped by Ctrl-C/SIGTERM (the chief saves a checkpoint first).
     """
     view = View(json_to_stdout=json_path == "-")
-    with reporting(view, json_path):
+    with reporting(view, json_path, config=config):
         plan = plan_launch(config, overrides or [], workers=workers, ps=ps, chief=chief,
                            resume=resume, logs=logs)
         view.launch_started(plan)

@@ -11,7 +11,7 @@ import contextlib
 import typer
 
 from csrun.core.runner.checkpoint import CheckpointError
-from csrun.core.runner.preflight import check_writable
+from csrun.core.runner.preflight import check_outputs, check_writable
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.session import RunError
 
@@ -23,15 +23,19 @@ OK, FAILED, USAGE, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
 
 
 @contextlib.contextmanager
-def reporting(view: View, json_path: str | None):
+def reporting(view: View, json_path: str | None, *, config: str | None = None,
+              outputs: dict[str, str | None] | None = None):
     """Run a command body; render what it raises, write ``--json`` and exit with its code.
 
-    A ``--json`` path that cannot be written is a usage error before the body runs (not
-    after a long run)."""
+    A ``--json`` path that cannot be written, or an output (``--json`` or ``outputs``,
+    option -> path) onto the ``config`` file or onto another output, is a usage error
+    before the body runs (not after a long run); then ``--json`` is not written either."""
     try:
-        unwritable = check_writable(json_path, "--json")
-        if unwritable:
-            raise ConfigError(unwritable)
+        outputs = {**(outputs or {}), "--json": json_path}  # a clash is --json's: not written
+        unusable = check_writable(json_path, "--json") + check_outputs(config, outputs)
+        if unusable:
+            json_path = None if any(p.path == "--json" for p in unusable) else json_path
+            raise ConfigError(unusable)
         yield
     except typer.Exit:
         raise

@@ -41,7 +41,8 @@ def train(
     143 by SIGTERM (both save a checkpoint first).
     """
     view = View(json_to_stdout=json_path == "-")
-    with reporting(view, json_path):
+    with reporting(view, json_path, config=config,
+                   outputs={"--metrics": metrics, "--plot": plot}):
         result = train_from_file(config, overrides or [], resume=resume,
                                  outputs=Outputs(metrics, plot, tensorboard),
                                  on_event=view.on_event)

@@ -24,7 +24,7 @@ def validate(
 ) -> None:
     """Validate CONFIG (types, devices, data, model, optimizer); exit 0 if valid, else 2."""
     view = View(json_to_stdout=json_path == "-")
-    with reporting(view, json_path):
+    with reporting(view, json_path, config=config):
         resolved = load_config(config, overrides or [])
         view.valid(config, resolved)
         if json_path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 from typing import Any, Mapping, Sequence
 
 from ..data.pipeline import Pipeline
@@ -23,8 +24,8 @@ from ..config.loading import read_config, read_config_text
 from ..config.problems import ConfigError, Problem
 from ..config.schema import RunConfig
 
-__all__ = ["load_config", "load_config_text", "preflight", "replica_count", "check_devices", "check_checkpoint_dir",
-           "check_writable"]
+__all__ = ["load_config", "load_config_text", "preflight", "replica_count", "check_devices",
+           "check_checkpoint_dir", "check_writable", "check_outputs"]
 
 
 def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (), *,
@@ -119,6 +120,10 @@ def check_writable(path: str | None, field: str, *, directory: bool = False) -> 
     target = pathlib.Path(path)
     if not directory and target.is_dir():
         return [Problem(field, f"{path!r} is a directory", "give a file name")]
+    if not directory and _blocks(target):
+        return [Problem(field, f"{path!r} is a named pipe or a socket; opening it waits "
+                        "for a reader, maybe forever", "give a regular file (or - for "
+                        "stdout)")]
     start = target if directory else target.parent
     existing = next(p for p in (start, *start.parents) if p.exists() or p == p.parent)
     if not existing.is_dir():
@@ -128,6 +133,38 @@ def check_writable(path: str | None, field: str, *, directory: bool = False) -> 
         return [Problem(field, f"cannot write in {str(existing)!r} (permission denied)",
                         "choose a path you can write to")]
     return []
+
+
+def _blocks(target: pathlib.Path) -> bool:
+    """A FIFO or socket: ``open(path, "w")`` blocks until someone reads. Devices such
+    as /dev/null are fine."""
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def check_outputs(config: str | None, outputs: Mapping[str, str | None]) -> list[Problem]:
+    """No output (option -> path) is the config file or another output's file: writing
+    it would destroy the config (``validate c.yaml --json c.yaml``) or tear both."""
+    problems, taken = [], [("the config file", config)] if config else []
+    for option, path in outputs.items():
+        if not path or path == "-":
+            continue
+        clash = next((what for what, other in taken if _same_file(path, other)), None)
+        if clash is not None:
+            problems.append(Problem(option, f"{path!r} is {clash}; writing it would "
+                                    "overwrite it", "give each output a file of its own"))
+        taken.append((f"also the {option} file", path))
+    return problems
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)  # hard links and symlinks too
+    except OSError:  # one does not exist yet: compare the resolved spellings
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _device(spec: str, field: str, problems: list[Problem]):
