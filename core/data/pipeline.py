@@ -152,6 +152,28 @@ def _repeated(upstream: Callable, iteration: tuple, count: int | None) -> Iterat
         r += 1
 
 
+def _count_after(step, count: int | None, context: tuple, batch_size: int | None
+                 ) -> int | None:
+    """How many items ``step`` yields from ``count`` (None: endless), as
+    :meth:`Pipeline._stage` does."""
+    if count is None:
+        return step.count if step.op == "take" else None
+    if step.op == "batch":
+        size = batch_size or step.size
+        return count // size if step.drop_remainder else -(-count // size)
+    if step.op == "repeat":  # an empty upstream stays empty, even repeated forever
+        return None if step.count is None and count else count * (step.count or 0)
+    if step.op == "take":
+        return min(count, step.count)
+    if step.op == "skip":
+        return max(0, count - step.count)
+    if step.op == "shard":
+        shards = step.num_shards or context[0]
+        index = step.index if step.index is not None else context[1]
+        return max(0, -(-(count - index) // shards))
+    return count  # shuffle reorders only
+
+
 class Pipeline:
     """The compiled ``dataset`` section over the training examples ``indices``.
 
@@ -271,7 +293,11 @@ class Pipeline:
         """How many batches one pass yields; None when the pipeline repeats forever."""
         if self.infinite:
             return None
-        return sum(1 for _ in self.plan(0, pipelines, pipeline_id, batch_size))
+        # counted, not walked: a `repeat` of 10**12 would take days to walk
+        count = len(self.indices)
+        for _, step in self._ops:
+            count = _count_after(step, count, (pipelines, pipeline_id), batch_size)
+        return count
 
     def steps_per_epoch(self, replicas: int) -> int | None:
         """Training steps in one pass, as the configured distribution consumes batches."""

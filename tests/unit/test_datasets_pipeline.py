@@ -178,3 +178,38 @@ def test_holdout_split_is_seeded_and_disjoint():
     assert sorted(train.tolist() + held.tolist()) == list(range(100))
     assert held.tolist() == split_holdout(100, 0.25, seed=3)[1].tolist()
     assert held.tolist() != split_holdout(100, 0.25, seed=4)[1].tolist()
+
+
+@pytest.mark.parametrize("steps", [
+    [{"op": "batch", "size": 4}],
+    [{"op": "batch", "size": 4, "drop_remainder": True}, {"op": "repeat", "count": 3}],
+    [{"op": "repeat", "count": 3}, {"op": "skip", "count": 7}, {"op": "batch", "size": 4}],
+    [{"op": "shard", "num_shards": 3, "index": 2}, {"op": "take", "count": 2},
+     {"op": "batch", "size": 1}],
+    [{"op": "shard"}, {"op": "batch", "size": 3}, {"op": "shard", "num_shards": 2,
+                                                    "index": 1}],
+    [{"op": "repeat"}, {"op": "shuffle", "buffer": 5}, {"op": "take", "count": 13},
+     {"op": "batch", "size": 5}],
+    [{"op": "skip", "count": 50}, {"op": "repeat"}, {"op": "take", "count": 4},
+     {"op": "batch", "size": 2}],
+])
+def test_batches_per_epoch_is_counted_as_the_plan_walks(steps):
+    """The count is arithmetic (a repeat of 10**12 cannot be walked); it must equal the
+    plan's length for every op, input pipeline and per-replica batch size."""
+    p = pipeline(steps)
+    for pipelines, pipeline_id, batch_size in ((1, 0, None), (2, 1, None), (3, 0, 2)):
+        walked = sum(1 for _ in p.plan(0, pipelines, pipeline_id, batch_size))
+        assert p.batches_per_epoch(pipelines, pipeline_id, batch_size) == walked
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_repeat_count_is_counted_at_once():
+    """Walking 10**12 repeats took forever: validate and train spun before any step."""
+    import threading
+    p = pipeline([{"op": "repeat", "count": 10**12}, {"op": "batch", "size": 4}])
+    counted = []
+    thread = threading.Thread(target=lambda: counted.append(p.steps_per_epoch(2)),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert counted == [10**13 // 4]

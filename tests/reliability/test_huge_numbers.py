@@ -1,6 +1,8 @@
-"""Integers longer than Python's 4300-digit limit for ``int(str)`` in a config, an
-override (value or list index) or ``TF_CONFIG``: a config problem (exit 2) at its place,
-not an unexpected ``ValueError`` (exit 1)."""
+"""Huge numbers in a config (round 2, items 6 and 8).
+
+Integers longer than Python's 4300-digit limit for ``int(str)`` in a config, an override
+(value or list index) or ``TF_CONFIG``: a config problem (exit 2) at its place, not an
+unexpected ``ValueError`` (exit 1). A ``repeat`` of 10**12: counted, not walked."""
 
 from __future__ import annotations
 
@@ -48,3 +50,13 @@ def test_a_huge_integer_in_tf_config_is_a_problem_of_tf_config(validate, tmp_pat
     assert outcome.exit_code == 2
     assert any("TF_CONFIG" in p["message"] and "digits" in p["message"]
                for p in outcome.problems), outcome.problems
+
+
+@pytest.mark.timeout(120)
+def test_validate_of_a_huge_repeat_count_ends_at_once(csrun, tmp_path):
+    """The plan of 10**12 repeats was walked to count its steps: validate never ended."""
+    config = tmp_path / "repeat.yaml"
+    config.write_text(TINY.replace("    - {op: batch", "    - {op: repeat, count: "
+                                   "1000000000000}\n    - {op: batch"))
+    done = csrun("validate", config, timeout=60)  # ~3 s of it importing torch
+    assert done.returncode == 0, done.stderr
