@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .digests import file_sha256
+from .dir_lock import DirectoryLock
 
 __all__ = ["CheckpointError", "CheckpointManager", "FORMAT"]
 
@@ -119,6 +120,22 @@ class CheckpointManager:
         self.directory = pathlib.Path(directory)
         self.keep = keep
         self.identity = identity
+        self._lock: DirectoryLock | None = None
+
+    def claim(self) -> None:
+        """Own the directory for this run (:class:`DirectoryLock`); before anything in
+        it is removed, since the files may be another live run's.
+
+        Raises:
+          ConfigError: another run holds it (exit code 2).
+        """
+        if self._lock is None:
+            self._lock = DirectoryLock(self.directory)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def save(self, step: int, payload: dict) -> pathlib.Path:
         """Write the checkpoint of ``step`` atomically; prune old ones. Returns its path.

@@ -319,6 +319,8 @@ class Session:
 
     def close(self) -> None:
         self.sinks.close()
+        if self.manager is not None:
+            self.manager.release()
 
     def _checkpoints(self) -> CheckpointManager | None:
         """The checkpoint manager (None without ``checkpoint.dir``, or when they are the
@@ -327,6 +329,7 @@ class Session:
             return None
         manager = CheckpointManager(self.config.checkpoint.dir, self.config.checkpoint.keep,
                                     _identity(self.config, self.replicas))
+        manager.claim()  # one run per directory (exit 2 if another holds it)
         removed = manager.remove_incomplete()
         if removed:
             self.emit(Notice(f"removed {len(removed)} incomplete checkpoint file(s) left by "

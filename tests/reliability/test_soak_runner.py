@@ -53,6 +53,6 @@ def test_a_long_run_keeps_memory_threads_handles_and_step_time_flat(tmp_path, mo
     times = [b - a - r for a, b, r in zip(stamps, stamps[1:], reference.times[1:])]
     check_flat("runner soak", samples, times, reference.times[1:])
     previous = (STEPS - 1) // 200 * 200  # the last periodic one before the final one
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".csrun.lock",
         f"ckpt-{previous:08d}.json", f"ckpt-{previous:08d}.pt",
         f"ckpt-{STEPS:08d}.json", f"ckpt-{STEPS:08d}.pt"]
