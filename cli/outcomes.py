@@ -46,6 +46,10 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
     except (RunError, CheckpointError) as exc:
         view.failure(str(exc))
         _finish(json_path, FAILED, {"status": "failed", "error": str(exc)})
+    except SystemExit as exc:  # sys.exit/argparse in user code: csrun did not decide it
+        error = _user_exit(exc)
+        view.failure(error)
+        _finish(json_path, FAILED, {"status": "failed", "error": error})
     except KeyboardInterrupt:
         view.aborted()
         _finish(json_path, INTERRUPTED, {"status": "aborted"})
@@ -54,6 +58,13 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         notes = " ".join(getattr(exc, "__notes__", []))
         _finish(json_path, FAILED, {"status": "failed",
                                     "error": f"{type(exc).__name__}: {exc} {notes}".strip()})
+
+
+def _user_exit(exc: SystemExit) -> str:
+    notes = "".join(f" {n}" for n in getattr(exc, "__notes__", []))
+    return (f"user code exited (SystemExit: {exc.code!r}){notes}; only csrun ends a run, "
+            "so this is a failure: is there a sys.exit() or an argparse call in the model "
+            "or a map function?")
 
 
 def _finish(json_path: str | None, code: int, data: dict) -> None:

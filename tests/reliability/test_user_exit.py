@@ -1,0 +1,60 @@
+"""``sys.exit`` in user code (round 2, item 3): at the import of a model or map module,
+or inside a replica, it ended the run with exit 0, no message and no ``--json``. Only
+csrun decides a run's exit code: any other exit is a failure (exit 1), named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from csrun_processes import TINY, child_env
+
+USER_CODE = '''\
+import os, sys
+import torch
+from torch import nn
+
+if os.environ.get("EXIT_AT") == "import":
+    sys.exit(0)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if os.environ.get("EXIT_AT") == "replica":
+            raise SystemExit(0)  # as sys.exit(0), or argparse's exit, would
+        return self.layer(x)
+
+
+def parse(x, y):
+    if os.environ.get("EXIT_AT") == "map":
+        import argparse
+        argparse.ArgumentParser().parse_args(["--help"])  # prints help, exits 0
+    return x, y
+'''
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["import", "replica", "map"])
+def test_an_exit_in_user_code_is_a_failure(where, csrun, tmp_path):
+    (tmp_path / "user_code.py").write_text(USER_CODE)
+    config = tmp_path / "user.yaml"
+    config.write_text(TINY.replace("model: {kind: mlp, hidden: [16]}",
+                                   "model: {kind: import, target: 'user_code:Model'}")
+                      .replace("    - {op: batch", "    - {op: map, fn: 'user_code:parse'}\n"
+                               "    - {op: batch"))
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    env["EXIT_AT"] = where
+    done = csrun("train", config, "--json", "out.json", env=env, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "SystemExit" in done.stderr and "exited" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["status"] == "failed" and result["exit_code"] == 1
+    assert "SystemExit" in result["error"]
