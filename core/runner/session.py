@@ -44,7 +44,7 @@ from .checkpoint import CheckpointError, CheckpointManager
 from ..config.schema import RunConfig
 from ..data.pipeline import Pipeline
 from ..data.sources import load_source, split_holdout
-from .digests import params_sha256
+from .digests import file_sha256, params_sha256
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
 from .metrics import MetricSinks
@@ -146,6 +146,15 @@ def _identity(config: RunConfig, replicas: int) -> dict[str, Any]:
     for name, section in (("model", dump["model"]), ("optimizer", dump["optimizer"]),
                           ("dataset", dataset)):
         walk(name, section)
+    return _with_data_digest(flat, config)
+
+
+def _with_data_digest(flat: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """A data file is identified by its contents, not its path: a file changed in place
+    must not resume silently, a moved one may."""
+    path = flat.pop("dataset.source.path", None)
+    if path is not None:
+        flat["dataset.source.path.sha256"] = file_sha256(path)
     return flat
 
 
