@@ -11,6 +11,7 @@ import contextlib
 import typer
 
 from csrun.core.runner.checkpoint import CheckpointError
+from csrun.core.runner.metrics import OutputError
 from csrun.core.runner.preflight import check_outputs, check_writable
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.session import RunError
@@ -43,7 +44,7 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         view.problems(exc)
         _finish(json_path, USAGE, {"status": "invalid",
                                    "problems": [p.to_dict() for p in exc.problems]})
-    except (RunError, CheckpointError) as exc:
+    except (RunError, CheckpointError, OutputError) as exc:
         view.failure(str(exc))
         _finish(json_path, FAILED, {"status": "failed", "error": str(exc)})
     except SystemExit as exc:  # sys.exit/argparse in user code: csrun did not decide it
@@ -71,6 +72,6 @@ def _finish(json_path: str | None, code: int, data: dict) -> None:
     if json_path:
         try:
             write_json(json_path, clean_floats({**data, "exit_code": code}))
-        except OSError:  # the JSON path itself was the problem; it was reported
+        except (OSError, OutputError):  # the JSON path itself failed; it was reported
             pass
     raise typer.Exit(code)

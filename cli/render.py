@@ -26,6 +26,7 @@ from csrun.core.runner.events import (CheckpointSaved, Evaluated, Notice, RunRes
 from csrun.core.runner.launch import (LaunchPlan, LaunchResult, TaskExited, TaskOutput, TaskStarted,
                                describe_exit)
 from csrun.core.config.problems import ConfigError
+from csrun.core.runner.metrics import OutputError
 
 __all__ = ["View", "sparkline", "write_json"]
 
@@ -55,8 +56,11 @@ def write_json(path: str, data: dict[str, Any]) -> None:
         sys.stdout.flush()
         return
     target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text + "\n", encoding="utf-8")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise OutputError.of("--json", path, exc) from None
 
 
 def _jsonable(value: Any) -> Any:
