@@ -399,6 +399,11 @@ class TrainConfig(_Section):
     seed: Int64 = Field(0, description="Seeds torch, numpy, Python's random, shuffles and "
                       "the holdout split: same seed and config, same `params_sha256`.")
     log_every: Int64 = Field(50, gt=0, description="Steps between per-replica tables.")
+    divergence: float | None = Field(
+        1000.0, gt=1, description="Fail the run (exit 1) when the loss ran away without "
+        "becoming NaN: the mean loss of a log window (`log_every` steps) exceeds this many "
+        "times the first step's loss in 3 windows in a row, or in the run's last window. "
+        "null: no check.")
 
 
 class CheckpointConfig(_Section):

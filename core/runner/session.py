@@ -45,6 +45,7 @@ from ..config.schema import RunConfig
 from ..data.pipeline import Pipeline
 from ..data.sources import load_source, split_holdout
 from .digests import file_sha256, params_sha256
+from .divergence import diverged
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
 from .metrics import MetricSinks
@@ -574,6 +575,14 @@ class Session:
         self.emit(self.last_log)
         self.window = _Tally(self.replicas)
         self.role.logged()
+        self._check_divergence()
+
+    def _check_divergence(self) -> None:
+        """A loss that ran away yet stayed finite fails the run (:mod:`.divergence`)."""
+        why = diverged(self.losses, self.config.train.log_every,
+                       self.config.train.divergence, last=self.step == self.total_steps)
+        if why:
+            raise RunError(why)
 
     def _started(self) -> RunStarted:
         return RunStarted(
