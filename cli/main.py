@@ -9,6 +9,11 @@ import os
 # 2 busy cores (configs/per_replica.yaml: 9-12 s instead of 2.5 s). Set it to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+if __name__ == "__main__":  # `python -m csrun.cli.main` (launch's tasks): as the script,
+    import sys  # noqa: E402 - which handles Ctrl-C before torch is imported
+    from csrun.cli.entry import main as _entry  # noqa: E402
+    sys.exit(_entry())
+
 import importlib.metadata  # noqa: E402
 from typing import Annotated, Optional  # noqa: E402
 

@@ -14,7 +14,7 @@ from csrun.core.runner.checkpoint import CheckpointError
 from csrun.core.runner.metrics import OutputError
 from csrun.core.runner.preflight import check_outputs, check_writable
 from csrun.core.config.problems import ConfigError
-from csrun.core.runner.session import RunError
+from csrun.core.runner.session import Aborted, RunError
 
 from .render import View, clean_floats, write_json
 
@@ -51,9 +51,12 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         error = _user_exit(exc)
         view.failure(error)
         _finish(json_path, FAILED, {"status": "failed", "error": error})
-    except KeyboardInterrupt:
+    except Aborted:
         view.aborted()
         _finish(json_path, INTERRUPTED, {"status": "aborted"})
+    except KeyboardInterrupt:  # a first Ctrl-C outside training: nothing to save
+        view.interrupted(None, saved_nothing="no training step was running")
+        _finish(json_path, INTERRUPTED, {"status": "interrupted", "signal": "SIGINT"})
     except Exception as exc:  # noqa: BLE001 - anything else: a message, not a traceback
         view.crash(exc)
         notes = " ".join(getattr(exc, "__notes__", []))

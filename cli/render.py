@@ -164,12 +164,13 @@ class View:
         else:
             self.err.print("  (set CSRUN_TRACEBACK=1 to see the traceback)", style="dim")
 
-    def interrupted(self, saved: str | None, chief: bool = True) -> None:
+    def interrupted(self, saved: str | None, chief: bool = True,
+                    saved_nothing: str = "none configured, or no step finished") -> None:
         """A clean stop; ``chief=False``: a worker of a cluster, whose chief saves."""
         self.close()
         where = "; the chief saves the checkpoint" if not chief else \
             f"; checkpoint {escape(saved)} (continue with --resume)" if saved else \
-            "; no checkpoint saved (none configured, or no step finished)"
+            f"; no checkpoint saved ({saved_nothing})"
         self.err.print(f"[yellow]interrupted[/]{where}", soft_wrap=True)
 
     def aborted(self) -> None:

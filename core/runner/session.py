@@ -54,13 +54,18 @@ from .optimizers import build_optimizer, build_schedule
 from .plots import write_plot
 
 __all__ = ["RunError", "NonFiniteLoss", "Outputs", "Role", "LocalRole", "Session",
-           "run_session", "stop_on_signals"]
+           "run_session", "stop_on_signals", "Aborted"]
 
 PHASES = ("distribute", "run", "update", "reduce")
 
 
 class RunError(RuntimeError):
     """A run that failed for a reason the user can act on (exit code 1)."""
+
+
+class Aborted(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM while training: stop at once, without saving (a
+    first one outside training is a plain KeyboardInterrupt)."""
 
 
 class NonFiniteLoss(RunError):
@@ -105,7 +110,7 @@ def stop_on_signals(stop: threading.Event, received: list):
     def handler(signum, frame):
         received.append(signal.Signals(signum).name)
         if stop.is_set():
-            raise KeyboardInterrupt
+            raise Aborted
         stop.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

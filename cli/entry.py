@@ -1,0 +1,84 @@
+"""The ``csrun`` console script: Ctrl-C is handled from the first instant.
+
+Importing torch takes seconds; a Ctrl-C then used to print a 40-line traceback and no
+``--json``, and one during the interpreter's exit (atexit) another. Until a command
+installs its own handling (a run's clean stop), a Ctrl-C or SIGTERM ends the process at
+once with one line, exit 130/143 and, when ``--json PATH`` was given, a result. Only the
+standard library is used here: it must work before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+
+__all__ = ["main"]
+
+_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def main() -> None:
+    """Entry point: guard the start, run the command, then let the exit be quiet."""
+    for signum in _CODES:
+        signal.signal(signum, _stop_now)
+    try:
+        from .main import main as run_command
+        run_command()
+    finally:
+        # a Ctrl-C while atexit handlers run (torch's, the loaders') would print a
+        # traceback; the outcome is already decided
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_now(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    code = _CODES[signum]
+    message = f"interrupted ({name}) while no training step ran; nothing to save"
+    _write_json(_json_path(sys.argv[1:]), {"status": "interrupted", "signal": name,
+                                           "error": message, "exit_code": code})
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+    os._exit(code)  # mid-import: nothing to unwind, and unwinding would print a traceback
+
+
+def _json_path(args: list[str]) -> str | None:
+    """``--json PATH`` of train, validate or launch (inspect-devices' is a flag)."""
+    if not args or args[0] not in ("train", "validate", "launch"):
+        return None
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return None
+        if arg.startswith("--json="):
+            return arg.split("=", 1)[1]
+        if arg == "--json" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    if path is None or not _safe_output(path, sys.argv[2:3]):
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        pass  # best effort: the one line on stderr says what happened
+
+
+def _safe_output(path: str, inputs: list[str]) -> bool:
+    """Not a pipe or a device that could block, not the config file (the full checks
+    of csrun.core need torch, which may be half-imported now)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+    except OSError:
+        return os.path.isdir(os.path.dirname(path) or ".")
+    return not any(os.path.exists(i) and os.path.samefile(path, i) for i in inputs)
