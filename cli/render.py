@@ -10,12 +10,14 @@ import json
 import math
 import os
 import pathlib
+import re
 import sys
 import traceback
 from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
+from rich.padding import Padding
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
@@ -112,10 +114,37 @@ def _loss(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
+class _Plain:
+    """Where a console writes when it is no terminal (CI logs, pipes, files): its lines
+    lose the trailing spaces that rich pads table cells with. The stream is looked up at
+    each write, as rich does (tests swap ``sys.stdout``)."""
+
+    def __init__(self, stderr: bool):
+        self._stderr = stderr
+
+    def _stream(self):
+        return sys.stderr if self._stderr else sys.stdout
+
+    def write(self, text: str) -> int:
+        self._stream().write(_TRAILING.sub("\n", text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream().flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+_TRAILING = re.compile(r"[ \t]+\n")
+
+
 def _console(stderr: bool) -> Console:
     console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 120  # CI logs have no terminal width; 80 would wrap the tables
+    if not console.is_terminal:
+        console = Console(file=_Plain(stderr), highlight=False)  # type: ignore[arg-type]
+        if "COLUMNS" not in os.environ:
+            console.width = 120  # CI logs have no terminal width; 80 would wrap the tables
     return console
 
 
@@ -133,32 +162,39 @@ class View:
         self._task = None
         self._cluster: ClusterJoined | None = None
 
+    def _error_line(self, text: str, indent: int = 0) -> None:
+        """On a terminal, wrapped at word boundaries (the terminal's own wrapping breaks
+        words) with continuation lines indented; elsewhere one line, for grep."""
+        if self.err.is_terminal:
+            self.err.print(Padding(text, (0, 0, 0, indent)))
+        else:
+            self.err.print(" " * indent + text, soft_wrap=True)
+
     # -- errors ----------------------------------------------------------------------------
     def problems(self, error: ConfigError) -> None:
         """Every config problem: where, what, and the hint."""
         count = len(error.problems)
-        self.err.print(f"[bold red]error:[/] {count} problem{'s' if count != 1 else ''} "
-                       "in the config (nothing ran)", soft_wrap=True)
+        self._error_line(f"[bold red]error:[/] {count} problem{'s' if count != 1 else ''} "
+                         "in the config (nothing ran)")
         for problem in error.problems:
             shown = problem.shown()
             where = f"{escape(shown['where'])}: " if shown["where"] else ""
             path = f"[bold]{escape(shown['path'])}[/]: " if shown["path"] else ""
-            self.err.print(f"  {where}{path}{escape(shown['message'])}", soft_wrap=True)
+            self._error_line(f"{where}{path}{escape(shown['message'])}", 2)
             if shown["hint"]:
-                self.err.print(f"      [cyan]hint:[/] {escape(shown['hint'])}",
-                               soft_wrap=True)
+                self._error_line(f"[cyan]hint:[/] {escape(shown['hint'])}", 6)
 
     def failure(self, message: str) -> None:
         """A runtime failure with a clear message (exit 1)."""
         self.close()
-        self.err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+        self._error_line(f"[bold red]error:[/] {escape(message)}")
 
     def crash(self, exc: BaseException) -> None:
         """An unexpected exception: its message and notes; the traceback on request."""
         self.close()
         notes = "".join(f" {n}" for n in getattr(exc, "__notes__", []))
-        self.err.print(f"[bold red]error:[/] {escape(type(exc).__name__)}: "
-                       f"{escape(str(exc))}{escape(notes)}", soft_wrap=True)
+        self._error_line(f"[bold red]error:[/] {escape(type(exc).__name__)}: "
+                         f"{escape(str(exc))}{escape(notes)}")
         if os.environ.get("CSRUN_TRACEBACK"):
             self.err.print(escape("".join(traceback.format_exception(exc))), soft_wrap=True)
         else:

@@ -14,7 +14,8 @@ __all__ = ["Problem", "ConfigError", "did_you_mean", "closest", "clipped"]
 
 # How much of a user's text a message echoes: a 3000-character override or key must not
 # make a 3000-character error line.
-CLIP = {"where": 120, "path": 80, "message": 240, "hint": 160}
+# hints are csrun's own advice, whole; the limit only stops one that lists user input
+CLIP = {"where": 120, "path": 80, "message": 240, "hint": 400}
 
 
 def clipped(text: str, limit: int) -> str:
