@@ -45,8 +45,23 @@ def key_path(dotted: str) -> tuple:
                  for p in dotted.split("."))
 
 
+# Keys of which a config gives one: an override of one replaces the file's other, as
+# override > file says (`train.steps=50` over a file with `epochs`).
+EXCLUSIVE = {("train", "steps"): ("train", "epochs"), ("train", "epochs"): ("train", "steps")}
+
+
 def apply_overrides(data: dict, overrides: Sequence[str], origins: dict) -> list[Problem]:
     """Set each override in ``data``; ``origins`` maps each set path to its text."""
+    problems = _apply(data, overrides, origins)
+    for path, partner in EXCLUSIVE.items():
+        if path in origins and partner not in origins:  # both overridden: still refused
+            section = data.get(partner[0])
+            if isinstance(section, dict):
+                section.pop(partner[1], None)
+    return problems
+
+
+def _apply(data: dict, overrides: Sequence[str], origins: dict) -> list[Problem]:
     problems = []
     for text in overrides:
         try:

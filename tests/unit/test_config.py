@@ -186,3 +186,27 @@ def test_did_you_mean():
     assert did_you_mean("Adma", ["Adam", "Adamax", "SGD"]) == "did you mean 'Adam'?"
     assert did_you_mean("sgd", ["SGD", "ASGD"]) == "did you mean 'SGD'?"
     assert did_you_mean("zzzz", ["SGD"]) is None
+
+
+@pytest.mark.parametrize("override, steps, epochs", [("train.steps=50", 50, None),
+                                                     ("train.epochs=2", None, 2)])
+def test_an_override_replaces_its_exclusive_partner_from_the_file(override, steps, epochs,
+                                                                  tmp_path):
+    """override > file: train.steps=50 over a file that sets epochs was refused as
+    "both are set"."""
+    from csrun.core.runner.preflight import load_config
+    path = tmp_path / "c.yaml"
+    other = "epochs: 3" if steps else "steps: 7"
+    path.write_text(f"""\
+strategy: {{compute_devices: [CPU:0]}}
+dataset:
+  source: {{kind: synthetic, examples: 64, features: 4, classes: 3}}
+  steps: [{{op: batch, size: 16}}]
+model: {{kind: mlp, hidden: [8]}}
+optimizer: {{name: SGD, lr: 0.1}}
+train: {{{other}}}
+""")
+    train = load_config(path, [override]).train
+    assert (train.steps, train.epochs) == (steps, epochs)
+    with pytest.raises(ConfigError, match="both are set"):  # both overridden: refused
+        load_config(path, ["train.steps=5", "train.epochs=1"])
