@@ -299,6 +299,15 @@ class Pipeline:
             count = _count_after(step, count, (pipelines, pipeline_id), batch_size)
         return count
 
+    def examples_per_pass(self) -> int | None:
+        """The examples that reach the batch step in one pass (None: endless)."""
+        count: int | None = len(self.indices)
+        for _, step in self._ops:
+            if step.op == "batch":
+                break
+            count = _count_after(step, count, (1, 0), None)
+        return count
+
     def steps_per_epoch(self, replicas: int) -> int | None:
         """Training steps in one pass, as the configured distribution consumes batches."""
         if self.infinite:

@@ -276,5 +276,11 @@ def _check_distribution(dataset, pipeline: Pipeline, replicas: int, train) -> li
         return [Problem("dataset.steps", f"the pipeline yields no full step from "
                         f"{len(pipeline.indices)} training examples",
                         "lower the batch size, or drop drop_remainder/take/skip/shard")]
+    examples = pipeline.examples_per_pass()
+    if examples < pipeline.batch_size:  # every step would be smaller than it says
+        return [Problem(f"dataset.steps.{batch_index}.size", f"the global batch size "
+                        f"{pipeline.batch_size} is larger than the {examples} examples a "
+                        f"pass yields: every step would train on {examples}",
+                        f"use a batch size of at most {examples}, or repeat before batch")]
     return []
 

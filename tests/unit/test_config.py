@@ -210,3 +210,24 @@ train: {{{other}}}
     assert (train.steps, train.epochs) == (steps, epochs)
     with pytest.raises(ConfigError, match="both are set"):  # both overridden: refused
         load_config(path, ["train.steps=5", "train.epochs=1"])
+
+
+def test_a_batch_larger_than_a_pass_is_a_problem():
+    """It ran silently, every step on all 72 examples under a 'global batch 128' header."""
+    text = """\
+strategy: {compute_devices: [CPU:0]}
+dataset:
+  source: {kind: synthetic, examples: 96, features: 4, classes: 3}
+  holdout: 0.25
+  steps: [{op: shuffle, buffer: 8}, {op: batch, size: 128}]
+model: {kind: mlp, hidden: [8]}
+optimizer: {name: SGD, lr: 0.1}
+train: {steps: 5}
+"""
+    with pytest.raises(ConfigError) as info:
+        load_config_text(text, "c.yaml")
+    [problem] = info.value.problems
+    assert problem.path == "dataset.steps.1.size" and problem.line == 5
+    assert "larger than the 72 examples a pass yields" in problem.message
+    # repeated before batching, the batches are full: fine
+    load_config_text(text.replace("{op: batch", "{op: repeat, count: 2}, {op: batch"))
