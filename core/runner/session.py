@@ -397,6 +397,16 @@ class Session:
         self.saved_path = path
         self.emit(Notice(f"resumed from step {self.step} (epoch {self.epoch}, batch "
                          f"{self.position}) of {path}"))
+        self._past_the_end()
+
+    def _past_the_end(self) -> None:
+        """A checkpoint beyond ``train.steps`` (lowered since): nothing is left to train,
+        and the run ends at the checkpoint's step, not at "300/200"."""
+        if self.step > self.total_steps:
+            self.emit(Notice(f"the checkpoint's step {self.step} is past the "
+                             f"{self.total_steps} steps configured: nothing to train "
+                             "(raise train.steps or epochs to go on)"))
+            self.total_steps = self.step
 
     def _load(self, payload: dict) -> None:
         """Restore the session from a verified payload (KeyError etc. if it is not one
