@@ -101,6 +101,7 @@ def read_config_text(text: str, file: str | None = None, overrides: Sequence[str
     problems = apply_overrides(data, overrides, origins)
     sections, found = _validate(data)
     problems += found
+    _resolve_paths(sections, file)
     reported = {p.path for p in problems}
     found = [p for check in checks for p in check(sections)]
     problems += [p for p in found + cluster_problems(sections, environ)
@@ -108,6 +109,19 @@ def read_config_text(text: str, file: str | None = None, overrides: Sequence[str
     if problems:
         raise ConfigError(_locate(p, document, origins) for p in problems)
     return RunConfig.model_construct(**sections)
+
+
+def _resolve_paths(sections: dict, file: str | None) -> None:
+    """A relative data file path starts at the config file's folder, so that a config
+    runs the same from any current folder (text without a file: the current folder)."""
+    dataset = sections.get("dataset")
+    if file is None or dataset is None or dataset.source.kind != "file":
+        return
+    path = pathlib.Path(dataset.source.path)
+    if path.is_absolute():
+        return
+    source = dataset.source.model_copy(update={"path": str(pathlib.Path(file).parent / path)})
+    sections["dataset"] = dataset.model_copy(update={"source": source})
 
 
 def _explained(path: str, reported: set[str]) -> bool:

@@ -23,7 +23,7 @@ __all__ = [
     "RunConfig", "StrategyConfig", "CentralStorageConfig", "ParameterServerConfig",
     "ClusterConfig", "TaskConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
     "OptimizerConfig", "ScheduleConfig", "ModelConfig", "SourceConfig", "StepConfig",
-    "SECTIONS",
+    "ImportSource", "LOSS_NAMES", "SECTIONS",
 ]
 
 
@@ -175,8 +175,8 @@ class FileSource(_Section):
     """Tensors from a `.npz`, `.npy` or `.csv` file (read once, at start)."""
 
     kind: Literal["file"] = Field(description="`file`: arrays from `path`.")
-    path: str = Field(description="`.npz`, `.npy` or `.csv` file, relative to the current "
-                      "directory.")
+    path: str = Field(description="`.npz`, `.npy` or `.csv` file; a relative path starts at "
+                      "the config file's folder (also when set by an override).")
     features_key: str = Field("x", description="(`.npz`) the array of features.")
     target_key: str = Field("y", description="(`.npz`) the array of targets.")
     target_column: Int64 | str = Field(
@@ -196,7 +196,30 @@ class DigitsSource(_Section):
     scale: bool = Field(True, description="Divide pixel values (0..16) by 16.")
 
 
-SourceConfig = Annotated[Union[RangeSource, SyntheticSource, FileSource, DigitsSource],
+_TARGET_PATH = ("Imported from the current folder first (as with `python -m`), then "
+                "`PYTHONPATH` and installed packages.")
+
+
+class ImportSource(_Section):
+    """Your own `torch.utils.data.Dataset` (map-style) or `IterableDataset`, from a
+    factory. Its examples are any nest (tuples, lists, dicts) of tensors and numbers, kept
+    in the dtypes it gives (token ids stay int64); the batches are that nest, collated by
+    `dataset.collate`. Map-style datasets take every step, with the exact, resumable
+    index plan. Iterable ones have no length: they take `shuffle` (buffered), `batch`,
+    `repeat`, `take`, `skip` and `shard` on the stream, need `train.steps`, `holdout: 0`
+    and `workers: 0`, and a resumed run replays the stream, skipping the batches already
+    consumed (exact when the dataset yields the same stream each pass). `map` and
+    `normalize` are not available: transform in the dataset or the collate function."""
+
+    kind: Literal["import"] = Field(description="`import`: your own dataset.")
+    target: str = Field(description="`package.module:factory`: a Dataset class or a "
+                        "function returning a Dataset or IterableDataset. " + _TARGET_PATH)
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Keyword "
+                                         "arguments of the factory.")
+
+
+SourceConfig = Annotated[Union[RangeSource, SyntheticSource, FileSource, DigitsSource,
+                               ImportSource],
                          Field(discriminator="kind")]
 
 
@@ -301,6 +324,10 @@ class DatasetConfig(_Section):
     replication: Literal["per_worker", "per_replica"] = Field(
         "per_worker", description="(`distribute: per_replica`) one pipeline dealing batches "
         "to the replicas in turn, or one pipeline per replica (`InputReplicationMode`).")
+    collate: str | None = Field(
+        None, description="(`source.kind: import`) `package.module:function` making a batch "
+        "of a list of examples; default `torch.utils.data.default_collate` (stacks tensors "
+        "and numbers, keeps tuples and dicts). " + _TARGET_PATH)
     workers: Int64 = Field(0, ge=0, description="DataLoader worker processes (0: load in the "
                          "main process, fastest for small in-memory data).")
     pin_memory: bool | Literal["auto"] = Field(
@@ -309,9 +336,28 @@ class DatasetConfig(_Section):
 
 
 # -- model --------------------------------------------------------------------------------
-LossName = Literal["auto", "cross_entropy", "mse", "l1", "smooth_l1"]
-_LOSS_DESCRIPTION = ("Loss function; `auto`: `cross_entropy` for classification, `mse` for "
-                     "regression.")
+LOSS_NAMES = ("auto", "cross_entropy", "mse", "l1", "smooth_l1")
+
+
+def _loss_name(value: str) -> str:
+    if value in LOSS_NAMES or ":" in value:
+        return value
+    from .problems import did_you_mean
+    hint = did_you_mean(value, LOSS_NAMES)
+    raise ValueError(f"{value!r} is neither a loss ({', '.join(LOSS_NAMES)}) nor "
+                     f"'package.module:function'" + (f"; {hint}" if hint else ""))
+
+
+LossName = Annotated[str, AfterValidator(_loss_name)]
+_LOSS_DESCRIPTION = ("Loss function: `cross_entropy`, `mse`, `l1`, `smooth_l1` on `(x, y)` "
+                     "batches, `auto` (`cross_entropy` for classification, `mse` for "
+                     "regression), or your own `package.module:function`, called as "
+                     "`fn(model, batch)` and returning per-example losses of shape `[B]` "
+                     "(or `(losses, {name: per-example metric [B]})`; a metric named "
+                     "`accuracy` feeds the accuracy columns). It must not average: the "
+                     "runner sums and divides by the global batch, so any replica count "
+                     "takes the same steps. It may get an empty slice (B = 0) when a short "
+                     "last batch is split over more replicas than it has examples.")
 
 
 class LinearModel(_Section):
@@ -351,10 +397,14 @@ class CNNModel(_Section):
 
 
 class ImportedModel(_Section):
-    """Any importable `torch.nn.Module` class, built in `strategy.scope()`."""
+    """Any importable `torch.nn.Module` class, built in `strategy.scope()`. With a loss
+    function it may take any batch structure; with a named loss it gets `x` of `(x, y)`.
+    Preflight checks it on the meta device, or (for a forward that needs real values)
+    on CPU with one real batch of 2 examples, and says so."""
 
     kind: Literal["import"] = Field(description="`import`.")
-    target: str = Field(description="`package.module:Class`.")
+    target: str = Field(description="`package.module:Class` (or a function returning a "
+                        "module). " + _TARGET_PATH)
     kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Constructor "
                                          "keyword arguments.")
     loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
