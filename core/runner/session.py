@@ -48,7 +48,8 @@ from .digests import params_sha256
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
 from .metrics import MetricSinks
-from .models import build_model, count_parameters, make_loss, resolve_loss
+from .models import build_model, count_parameters, resolve_loss
+from .objectives import make_objective
 from .optimizers import build_optimizer, build_schedule
 from .plots import write_plot
 
@@ -185,10 +186,12 @@ class _Tally:
         self.replica_loss = [0.0] * replicas
         self.replica_seconds = [0.0] * replicas
         self.phases = dict.fromkeys(PHASES, 0.0)
+        self.metrics: dict[str, float] = {}  # sums of a loss function's metrics
 
     def add(self, per_replica: Sequence[dict], phases: dict[str, float]) -> None:
         self.steps += 1
         for r, stats in enumerate(per_replica):
+            _add_metrics(vars(self), stats)
             examples, loss = int(stats["examples"]), float(stats["loss"])
             self.examples += examples
             self.loss += loss
@@ -295,8 +298,7 @@ class Session:
         self.strategy = self.role.strategy
         self.replicas = self.strategy.num_replicas_in_sync
         self.devices = [_short(name) for name in self.strategy.extended.worker_devices]
-        self.classify = self.data.task == "classification"
-        self.loss_fn = make_loss(resolve_loss(config.model, self.data.task))
+        self.objective = make_objective(config.model, self.data.task)
         with self.strategy.scope():  # parameters and optimizer state live centrally
             self.model = build_model(config.model, self.data.feature_shape, self.data.outputs)
             self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
@@ -316,6 +318,12 @@ class Session:
         self.session_seconds = 0.0
         self.step_times: list[list[float]] = []  # per step, per replica (for --plot)
         self._sizes: Iterator[int] = iter(())  # global batch sizes of the pass (sliced role)
+        self.eval_metrics: dict[str, float] = {}  # a loss function's, on the holdout
+
+    @property
+    def classify(self) -> bool:
+        """Whether there are correct predictions to count (accuracy)."""
+        return self.objective.classify
 
     def close(self) -> None:
         self.sinks.close()
@@ -469,25 +477,21 @@ class Session:
             dataset_fn, InputOptions(experimental_replication_mode=mode,
                                      experimental_per_replica_buffer_size=buffer))
 
-    def _replica_step(self, x: torch.Tensor, y: torch.Tensor, global_examples: int) -> dict:
+    def _replica_step(self, batch: Any, global_examples: int) -> dict:
         """One replica's part of a step (replica context): forward, backward, stats."""
         begin = time.perf_counter()
-        output = self.model(x)
-        loss = self.loss_fn(output, y)
-        (loss / global_examples).backward()  # summed over replicas: the global mean's grad
-        correct = (output.argmax(1) == y).sum() if self.classify else torch.zeros((), dtype=
-                                                                                 torch.int64)
-        return {"loss": loss.detach(), "examples": torch.tensor(x.shape[0]),
-                "correct": correct, "seconds": torch.tensor(time.perf_counter() - begin,
-                                                            dtype=torch.float64)}
+        stats = self.objective.stats(self.model, batch)
+        (stats["loss"] / global_examples).backward()  # summed over replicas: the global
+        stats["loss"] = stats["loss"].detach()        # mean's gradient
+        stats["seconds"] = torch.tensor(time.perf_counter() - begin, dtype=torch.float64)
+        return stats
 
     def _train_step(self, batch: Any, distribute_s: float) -> None:
-        x, y = batch
         strategy = self.strategy
-        global_examples = self._global_examples(x)
+        global_examples = self._global_examples(_first_leaf(batch))
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        out = strategy.run(self._replica_step, args=(x, y, global_examples))
+        out = strategy.run(self._replica_step, args=(batch, global_examples))
         t1 = time.perf_counter()
         per_replica = strategy.experimental_local_results(out)
         self._check_finite(per_replica)
@@ -588,38 +592,33 @@ class Session:
         self.model.eval()
         try:
             for stats in batches:
-                for key in totals:
+                for key in ("loss", "examples", "correct"):
                     totals[key] += stats[key].item()
+                _add_metrics(totals, stats)
         finally:
             self.model.train()
         examples = int(totals["examples"])
+        self.eval_metrics = {name: value / examples
+                             for name, value in totals.get("metrics", {}).items()}
         return Evaluated(examples, totals["loss"] / examples,
                          totals["correct"] / examples if self.classify else None)
 
     def _eval_distributed(self, loader) -> Iterator[dict[str, torch.Tensor]]:
         """Each held-out batch's stats, distributed like training, summed over replicas."""
-        def eval_step(x, y):
+        def eval_step(batch):
             with torch.no_grad():  # grad mode is per thread: set it in the replica
-                return self._eval_stats(x, y)
+                return self.objective.stats(self.model, batch)
 
         with self.strategy.scope():
-            for x, y in self.strategy.experimental_distribute_dataset(loader):
-                yield self.strategy.reduce("SUM", self.strategy.run(eval_step, (x, y)),
+            for batch in self.strategy.experimental_distribute_dataset(loader):
+                yield self.strategy.reduce("SUM", self.strategy.run(eval_step, (batch,)),
                                            axis=None)
 
     def _eval_here(self, loader) -> Iterator[dict[str, torch.Tensor]]:
         """Each held-out batch's stats, on this process's copy of the parameters."""
         with torch.no_grad():
-            for x, y in loader:
-                yield self._eval_stats(x, y)
-
-    def _eval_stats(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Summed loss, example count and correct predictions of one held-out batch."""
-        output = self.model(x)
-        correct = (output.argmax(1) == y).sum() if self.classify else \
-            torch.zeros((), dtype=torch.int64)
-        return {"loss": self.loss_fn(output, y), "examples": torch.tensor(x.shape[0]),
-                "correct": correct}
+            for batch in loader:
+                yield self.objective.stats(self.model, batch)
 
     def finish(self, status: str) -> RunResult:
         """Evaluate (unless interrupted), write the plot, and assemble the result; the
@@ -655,6 +654,7 @@ class Session:
         if evaluated is not None:
             metrics.update(eval_loss=evaluated.loss, eval_accuracy=evaluated.accuracy,
                            eval_examples=evaluated.examples)
+        metrics.update(_loss_fn_metrics(self.totals, self.eval_metrics))
         return metrics
 
     def _throughput(self) -> dict[str, float]:
@@ -677,6 +677,30 @@ class Session:
                 "slowest_replica": int(np.argmax(times)) if times else None,
                 "examples_max_over_min": max(examples) / min(examples) if min(examples) > 0
                 else None}
+
+
+def _first_leaf(batch: Any) -> Any:
+    """The first tensor (or PerReplica) of a batch of any structure: it counts examples."""
+    while isinstance(batch, (tuple, list, dict)):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return batch
+
+
+def _add_metrics(totals: dict, stats: dict) -> None:
+    """Sum a loss function's metrics (``stats["metrics"]``) into ``totals["metrics"]``."""
+    sums = totals.setdefault("metrics", {})
+    for name, value in stats.get("metrics", {}).items():
+        sums[name] = sums.get(name, 0.0) + float(value)
+
+
+def _loss_fn_metrics(totals: "_Tally", evaluated: dict[str, float]) -> dict[str, float]:
+    """A loss function's metrics: ``train_<name>`` over every training example of the
+    run, ``eval_<name>`` over the held-out ones (``accuracy`` is reported as correct
+    predictions already)."""
+    examples = max(totals.examples, 1)
+    found = {f"train_{name}": value / examples for name, value in totals.metrics.items()}
+    found |= {f"eval_{name}": value for name, value in evaluated.items()}
+    return {key: value for key, value in found.items() if not key.endswith("_accuracy")}
 
 
 def _step_log_from(data: dict) -> StepLog:
