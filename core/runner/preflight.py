@@ -70,7 +70,7 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
     if data is not None and model is not None:
         found = _check_model(model, data, dataset)
         problems += found or _check_model_memory(model, data, strategy)
-    if pipeline is not None and pipeline.streamed and train is not None and train.epochs:
+    if isinstance(data, ImportedData) and data.iterable and train is not None and train.epochs:
         problems.append(Problem("train.epochs", "an IterableDataset has no known length, "
                                 "so an epoch's steps are unknown", "use train.steps"))
     if pipeline is not None and strategy is not None and not _has(problems, "strategy"):
