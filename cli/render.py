@@ -144,10 +144,13 @@ class View:
                 self.err.print(f"      [cyan]hint:[/] {escape(shown['hint'])}",
                                soft_wrap=True)
 
-    def failure(self, message: str) -> None:
-        """A runtime failure with a clear message (exit 1)."""
+    def failure(self, message: str, cause: BaseException | None = None) -> None:
+        """A runtime failure with a clear message (exit 1); for one in the user's code
+        (``cause``) its traceback on request."""
         self.close()
         self.err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+        if cause is not None:
+            self._traceback(cause)
 
     def crash(self, exc: BaseException) -> None:
         """An unexpected exception: its message and notes; the traceback on request."""
@@ -155,6 +158,9 @@ class View:
         notes = "".join(f" {n}" for n in getattr(exc, "__notes__", []))
         self.err.print(f"[bold red]error:[/] {escape(type(exc).__name__)}: "
                        f"{escape(str(exc))}{escape(notes)}", soft_wrap=True)
+        self._traceback(exc)
+
+    def _traceback(self, exc: BaseException) -> None:
         if os.environ.get("CSRUN_TRACEBACK"):
             self.err.print(escape("".join(traceback.format_exception(exc))), soft_wrap=True)
         else:
@@ -209,7 +215,8 @@ class View:
                            f"{', '.join(e.compute_devices)}, {c.replicas_in_sync} in sync; "
                            f"variables on {e.parameter_device} ({c.variable_placement})",
                            soft_wrap=True)
-        self.out.print(f"data: {escape(e.dataset)}: {e.train_examples} to train, "
+        count = e.train_examples or "a stream"  # an IterableDataset has no length
+        self.out.print(f"data: {escape(e.dataset)}: {count} to train, "
                        f"{e.holdout_examples} held out; global batch {e.global_batch_size} "
                        f"(~{per_replica:g} per replica, {e.distribute})", soft_wrap=True)
         self.out.print(f"model: {escape(e.model)}, {e.parameters:,} parameters; steps: "
