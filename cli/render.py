@@ -262,7 +262,8 @@ class View:
 
     def _evaluated(self, e: Evaluated) -> None:
         accuracy = f"accuracy [bold]{_pct(e.accuracy)}[/], " if e.accuracy is not None else ""
-        self._print(f"held out: {accuracy}loss {_loss(e.loss)} ({e.examples} examples)")
+        when = f" at step {e.step}" if e.step is not None else ""
+        self._print(f"held out{when}: {accuracy}loss {_loss(e.loss)} ({e.examples} examples)")
 
     def close(self) -> None:
         """Stop the progress bar (before a summary or an error)."""
@@ -306,8 +307,17 @@ class View:
         table.add_row("params_sha256", result.params_sha256)
         for name, text in _cluster_rows(getattr(result, "cluster", None)):
             table.add_row(name, text)
+        if result.early_stopped:
+            stop = result.early_stopped
+            table.add_row("early stop", f"at step {stop['step']}: {stop['metric']} best "
+                                        f"{stop['best']:.4g} at step {stop['best_step']}")
         if result.checkpoint.get("last"):
             table.add_row("checkpoint", escape(result.checkpoint["last"]))
+        if result.checkpoint.get("best"):
+            table.add_row("best", f"{escape(result.checkpoint['best'])} "
+                                  f"({escape(str(result.checkpoint['best_metric']))})")
+        if result.checkpoint.get("export"):
+            table.add_row("exported", escape(result.checkpoint["export"]))
         self.out.print(table)
 
     @staticmethod

@@ -27,7 +27,7 @@ import torch
 
 from .digests import file_sha256
 
-__all__ = ["CheckpointError", "CheckpointManager", "FORMAT"]
+__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "write_atomic"]
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{8,})\.json$")
@@ -40,7 +40,7 @@ class CheckpointError(RuntimeError):
 _TEMP = re.compile(r"^\.ckpt-\d{8,}\.(pt|json)\..*\.tmp$")
 
 
-def _write_atomic(path: pathlib.Path, write) -> None:
+def write_atomic(path: pathlib.Path, write) -> None:
     """Call ``write(file)`` on a temp file beside ``path``, fsync it, rename it over."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -119,6 +119,7 @@ class CheckpointManager:
         self.directory = pathlib.Path(directory)
         self.keep = keep
         self.identity = identity
+        self.best_step: int | None = None  # survives the rotation (checkpoint.keep_best)
 
     def save(self, step: int, payload: dict) -> pathlib.Path:
         """Write the checkpoint of ``step`` atomically; prune old ones. Returns its path.
@@ -127,16 +128,16 @@ class CheckpointManager:
           CheckpointError: it could not be written (a full disk, no permission); the
             directory is left as it was, earlier checkpoints intact.
         """
-        path = self.directory / f"ckpt-{step:08d}.pt"
+        path = self.path_of(step)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _write_atomic(path, lambda f: torch.save(payload, f))
+            write_atomic(path, lambda f: torch.save(payload, f))
             manifest = {"format": FORMAT, "step": step, "file": path.name,
                         "bytes": path.stat().st_size, "sha256": file_sha256(path),
                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                         "torch": torch.__version__, "identity": self.identity}
             text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            _write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
+            write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
         except OSError as exc:
             if not path.with_suffix(".json").exists():  # a payload without its manifest
                 with _suppress():
@@ -178,6 +179,10 @@ class CheckpointManager:
                  if (m := _NAME.match(p.name))]
         return [p for _, p in sorted(found)]
 
+    def path_of(self, step: int) -> pathlib.Path:
+        """The payload path of ``step``'s checkpoint."""
+        return self.directory / f"ckpt-{step:08d}.pt"
+
     def clear(self) -> int:
         """Remove every checkpoint in the directory (a run starting over); returns how many."""
         manifests = self.manifests()
@@ -188,7 +193,10 @@ class CheckpointManager:
         return len(manifests)
 
     def _prune(self) -> None:
+        best = f"ckpt-{self.best_step:08d}.json" if self.best_step is not None else None
         for manifest in self.manifests()[:-self.keep]:
+            if manifest.name == best:
+                continue
             with _suppress():  # the manifest first: a payload alone is never loaded
                 manifest.unlink()
                 manifest.with_suffix(".pt").unlink()

@@ -21,6 +21,7 @@ from ..distribute.devices import (DeviceError, default_compute_devices, default_
 from .model_checks import check_fit
 from .models import model_bytes
 from .optimizers import check_optimizer
+from .training_checks import check_training
 from ..config.loading import read_config, read_config_text
 from ..config.problems import ConfigError, Problem
 from ..config.schema import RunConfig
@@ -58,6 +59,7 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
         problems += check_optimizer(optimizer)
     if sections.get("checkpoint") is not None:
         problems += check_checkpoint_dir(sections["checkpoint"])
+    problems += check_training(sections)
     if train is not None and (train.steps is None) == (train.epochs is None):
         problems.append(Problem("train", "give exactly one of steps and epochs" +
                                 (" (both are set)" if train.steps else ""),
