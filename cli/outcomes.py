@@ -7,13 +7,16 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import typer
 
 from csrun.core.runner.checkpoint import CheckpointError
 from csrun.core.runner.metrics import OutputError
 from csrun.core.runner.preflight import check_outputs, check_writable
-from csrun.core.config.problems import ConfigError
+from csrun.core.config.problems import ConfigError, ConfigNotice
+from csrun.core.config.user_code import UserCodeError
+from csrun.core.runner.events import Notice
 from csrun.core.runner.session import Aborted, RunError
 
 from .render import View, clean_floats, write_json
@@ -37,15 +40,16 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         if unusable:
             json_path = None if any(p.path == "--json" for p in unusable) else json_path
             raise ConfigError(unusable)
-        yield
+        with _notices(view):
+            yield
     except typer.Exit:
         raise
     except ConfigError as exc:
         view.problems(exc)
         _finish(json_path, USAGE, {"status": "invalid",
                                    "problems": [p.to_dict() for p in exc.problems]})
-    except (RunError, CheckpointError, OutputError) as exc:
-        view.failure(str(exc))
+    except (RunError, CheckpointError, OutputError, UserCodeError) as exc:
+        view.failure(str(exc), exc.__cause__ if isinstance(exc, UserCodeError) else None)
         _finish(json_path, FAILED, {"status": "failed", "error": str(exc)})
     except SystemExit as exc:  # sys.exit/argparse in user code: csrun did not decide it
         error = _user_exit(exc)
@@ -62,6 +66,22 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         notes = " ".join(getattr(exc, "__notes__", []))
         _finish(json_path, FAILED, {"status": "failed",
                                     "error": f"{type(exc).__name__}: {exc} {notes}".strip()})
+
+
+@contextlib.contextmanager
+def _notices(view: View):
+    """Show the config checks' notices (:class:`ConfigNotice`) as notes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ConfigNotice)
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if issubclass(category, ConfigNotice):
+                view.on_event(Notice(str(message)))
+            else:
+                shown(message, category, *args, **kwargs)
+        warnings.showwarning = show
+        yield
 
 
 def _user_exit(exc: SystemExit) -> str:

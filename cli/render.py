@@ -184,10 +184,13 @@ class View:
             if shown["hint"]:
                 self._error_line(f"[cyan]hint:[/] {escape(shown['hint'])}", 6)
 
-    def failure(self, message: str) -> None:
-        """A runtime failure with a clear message (exit 1)."""
+    def failure(self, message: str, cause: BaseException | None = None) -> None:
+        """A runtime failure with a clear message (exit 1); for one in the user's code
+        (``cause``) its traceback on request."""
         self.close()
         self._error_line(f"[bold red]error:[/] {escape(message)}")
+        if cause is not None:
+            self._traceback(cause)
 
     def crash(self, exc: BaseException) -> None:
         """An unexpected exception: its message and notes; the traceback on request."""
@@ -195,6 +198,9 @@ class View:
         notes = "".join(f" {n}" for n in getattr(exc, "__notes__", []))
         self._error_line(f"[bold red]error:[/] {escape(type(exc).__name__)}: "
                          f"{escape(str(exc))}{escape(notes)}")
+        self._traceback(exc)
+
+    def _traceback(self, exc: BaseException) -> None:
         if os.environ.get("CSRUN_TRACEBACK"):
             self.err.print(escape("".join(traceback.format_exception(exc))), soft_wrap=True)
         else:
@@ -250,7 +256,8 @@ class View:
                            f"{', '.join(e.compute_devices)}, {c.replicas_in_sync} in sync; "
                            f"variables on {e.parameter_device} ({c.variable_placement})",
                            soft_wrap=True)
-        self.out.print(f"data: {escape(e.dataset)}: {e.train_examples} to train, "
+        count = e.train_examples or "a stream"  # an IterableDataset has no length
+        self.out.print(f"data: {escape(e.dataset)}: {count} to train, "
                        f"{e.holdout_examples} held out; global batch {e.global_batch_size} "
                        f"(~{per_replica:g} per replica, {e.distribute})", soft_wrap=True)
         self.out.print(f"model: {escape(e.model)}, {e.parameters:,} parameters; steps: "
@@ -296,7 +303,8 @@ class View:
 
     def _evaluated(self, e: Evaluated) -> None:
         accuracy = f"accuracy [bold]{_pct(e.accuracy)}[/], " if e.accuracy is not None else ""
-        self._print(f"held out: {accuracy}loss {_loss(e.loss)} ({e.examples} examples)")
+        when = f" at step {e.step}" if e.step is not None else ""
+        self._print(f"held out{when}: {accuracy}loss {_loss(e.loss)} ({e.examples} examples)")
 
     def close(self) -> None:
         """Stop the progress bar (before a summary or an error)."""
@@ -340,8 +348,17 @@ class View:
         table.add_row("params_sha256", result.params_sha256)
         for name, text in _cluster_rows(getattr(result, "cluster", None)):
             table.add_row(name, text)
+        if result.early_stopped:
+            stop = result.early_stopped
+            table.add_row("early stop", f"at step {stop['step']}: {stop['metric']} best "
+                                        f"{stop['best']:.4g} at step {stop['best_step']}")
         if result.checkpoint.get("last"):
             table.add_row("checkpoint", escape(result.checkpoint["last"]))
+        if result.checkpoint.get("best"):
+            table.add_row("best", f"{escape(result.checkpoint['best'])} "
+                                  f"({escape(str(result.checkpoint['best_metric']))})")
+        if result.checkpoint.get("export"):
+            table.add_row("exported", escape(result.checkpoint["export"]))
         self.out.print(table)
 
     @staticmethod

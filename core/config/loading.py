@@ -101,6 +101,7 @@ def read_config_text(text: str, file: str | None = None, overrides: Sequence[str
     problems = apply_overrides(data, overrides, origins)
     sections, found = _validate(data)
     problems += found
+    _resolve_paths(sections, file, origins)
     reported = {p.path for p in problems}
     found = [p for check in checks for p in check(sections)]
     problems += [p for p in found + cluster_problems(sections, environ)
@@ -108,6 +109,41 @@ def read_config_text(text: str, file: str | None = None, overrides: Sequence[str
     if problems:
         raise ConfigError(_locate(p, document, origins) for p in problems)
     return RunConfig.model_construct(**sections)
+
+
+# The paths a config names: relative ones written in the file start at its folder, so
+# that a config runs the same from any current folder; relative ones given as overrides
+# start at the current folder, as any command-line argument does.
+_PATHS = (("dataset", "source", "path"), ("checkpoint", "dir"))
+
+
+def _resolve_paths(sections: dict, file: str | None, origins: dict) -> None:
+    """Make every relative path written in ``file`` start at its folder (text without a
+    file, and overrides: the current folder)."""
+    if file is None:
+        return
+    for path in _PATHS:
+        if any(path[:len(set_path)] == set_path for set_path in origins):
+            continue  # set (or replaced) by an override
+        value = _get(sections, path)
+        if isinstance(value, str) and value and not pathlib.Path(value).is_absolute():
+            _set(sections, path, str(pathlib.Path(file).parent / value))
+
+
+def _get(sections: dict, path: tuple) -> Any:
+    node = sections.get(path[0])
+    for key in path[1:]:
+        node = getattr(node, key, None)
+    return node
+
+
+def _set(sections: dict, path: tuple, value: Any) -> None:
+    """Replace one value in the frozen section models (copies along the way)."""
+    def put(node, keys):
+        if not keys:
+            return value
+        return node.model_copy(update={keys[0]: put(getattr(node, keys[0]), keys[1:])})
+    sections[path[0]] = put(sections[path[0]], path[1:])
 
 
 def _explained(path: str, reported: set[str]) -> bool:

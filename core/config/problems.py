@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 from typing import Iterable
 
-__all__ = ["Problem", "ConfigError", "did_you_mean", "closest", "clipped"]
+__all__ = ["Problem", "ConfigError", "ConfigNotice", "did_you_mean", "closest", "clipped"]
 
 # How much of a user's text a message echoes: a 3000-character override or key must not
 # make a 3000-character error line.
@@ -77,6 +77,11 @@ class ConfigError(ValueError):
         count = len(self.problems)
         lines = "\n".join(f"  {p}" for p in self.problems)
         super().__init__(f"{count} problem{'s' if count != 1 else ''} in the config:\n{lines}")
+
+
+class ConfigNotice(UserWarning):
+    """Something a check could not do as usual but that is no problem (e.g. a model
+    checked on CPU because the meta device cannot run it); warned, shown by the CLI."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:

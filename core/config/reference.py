@@ -59,8 +59,9 @@ def _models_of(annotation: Any) -> list[type[BaseModel]]:
     """The config models an annotation holds (a model, a union of them, a list of them)."""
     annotation = _unwrap(annotation)
     origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType, list):
-        return [m for arg in typing.get_args(annotation) for m in _models_of(arg)]
+    if origin in (Union, types.UnionType, list):  # once each: `X | list[X]` is one section
+        return list(dict.fromkeys(m for arg in typing.get_args(annotation)
+                                  for m in _models_of(arg)))
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return []

@@ -13,6 +13,7 @@ against this machine and its data is the runner's preflight.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue
@@ -22,8 +23,9 @@ from ..cluster.resolvers import is_address
 __all__ = [
     "RunConfig", "StrategyConfig", "CentralStorageConfig", "ParameterServerConfig",
     "ClusterConfig", "TaskConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
-    "OptimizerConfig", "ScheduleConfig", "ModelConfig", "SourceConfig", "StepConfig",
-    "SECTIONS",
+    "OptimizerConfig", "ScheduleConfig", "ParamGroupConfig", "EarlyStoppingConfig",
+    "BestCheckpointConfig", "ModelConfig", "SourceConfig", "StepConfig",
+    "ImportSource", "LOSS_NAMES", "SECTIONS",
 ]
 
 
@@ -175,8 +177,9 @@ class FileSource(_Section):
     """Tensors from a `.npz`, `.npy` or `.csv` file (read once, at start)."""
 
     kind: Literal["file"] = Field(description="`file`: arrays from `path`.")
-    path: str = Field(description="`.npz`, `.npy` or `.csv` file, relative to the current "
-                      "directory.")
+    path: str = Field(description="`.npz`, `.npy` or `.csv` file. A relative path written in "
+                      "the config file starts at the file's folder; one given as a "
+                      "command-line override, at the current folder.")
     features_key: str = Field("x", description="(`.npz`) the array of features.")
     target_key: str = Field("y", description="(`.npz`) the array of targets.")
     target_column: Int64 | str = Field(
@@ -196,7 +199,30 @@ class DigitsSource(_Section):
     scale: bool = Field(True, description="Divide pixel values (0..16) by 16.")
 
 
-SourceConfig = Annotated[Union[RangeSource, SyntheticSource, FileSource, DigitsSource],
+_TARGET_PATH = ("Imported from the current folder first (as with `python -m`), then "
+                "`PYTHONPATH` and installed packages.")
+
+
+class ImportSource(_Section):
+    """Your own `torch.utils.data.Dataset` (map-style) or `IterableDataset`, from a
+    factory. Its examples are any nest (tuples, lists, dicts) of tensors and numbers, kept
+    in the dtypes it gives (token ids stay int64); the batches are that nest, collated by
+    `dataset.collate`. Map-style datasets take every step, with the exact, resumable
+    index plan. Iterable ones have no length: they take `shuffle` (buffered), `batch`,
+    `repeat`, `take`, `skip` and `shard` on the stream, need `train.steps`, `holdout: 0`
+    and `workers: 0`, and a resumed run replays the stream, skipping the batches already
+    consumed (exact when the dataset yields the same stream each pass). `map` and
+    `normalize` are not available: transform in the dataset or the collate function."""
+
+    kind: Literal["import"] = Field(description="`import`: your own dataset.")
+    target: str = Field(description="`package.module:factory`: a Dataset class or a "
+                        "function returning a Dataset or IterableDataset. " + _TARGET_PATH)
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Keyword "
+                                         "arguments of the factory.")
+
+
+SourceConfig = Annotated[Union[RangeSource, SyntheticSource, FileSource, DigitsSource,
+                               ImportSource],
                          Field(discriminator="kind")]
 
 
@@ -301,6 +327,10 @@ class DatasetConfig(_Section):
     replication: Literal["per_worker", "per_replica"] = Field(
         "per_worker", description="(`distribute: per_replica`) one pipeline dealing batches "
         "to the replicas in turn, or one pipeline per replica (`InputReplicationMode`).")
+    collate: str | None = Field(
+        None, description="(`source.kind: import`) `package.module:function` making a batch "
+        "of a list of examples; default `torch.utils.data.default_collate` (stacks tensors "
+        "and numbers, keeps tuples and dicts). " + _TARGET_PATH)
     workers: Int64 = Field(0, ge=0, description="DataLoader worker processes (0: load in the "
                          "main process, fastest for small in-memory data).")
     pin_memory: bool | Literal["auto"] = Field(
@@ -309,9 +339,28 @@ class DatasetConfig(_Section):
 
 
 # -- model --------------------------------------------------------------------------------
-LossName = Literal["auto", "cross_entropy", "mse", "l1", "smooth_l1"]
-_LOSS_DESCRIPTION = ("Loss function; `auto`: `cross_entropy` for classification, `mse` for "
-                     "regression.")
+LOSS_NAMES = ("auto", "cross_entropy", "mse", "l1", "smooth_l1")
+
+
+def _loss_name(value: str) -> str:
+    if value in LOSS_NAMES or ":" in value:
+        return value
+    from .problems import did_you_mean
+    hint = did_you_mean(value, LOSS_NAMES)
+    raise ValueError(f"{value!r} is neither a loss ({', '.join(LOSS_NAMES)}) nor "
+                     f"'package.module:function'" + (f"; {hint}" if hint else ""))
+
+
+LossName = Annotated[str, AfterValidator(_loss_name)]
+_LOSS_DESCRIPTION = ("Loss function: `cross_entropy`, `mse`, `l1`, `smooth_l1` on `(x, y)` "
+                     "batches, `auto` (`cross_entropy` for classification, `mse` for "
+                     "regression), or your own `package.module:function`, called as "
+                     "`fn(model, batch)` and returning per-example losses of shape `[B]` "
+                     "(or `(losses, {name: per-example metric [B]})`; a metric named "
+                     "`accuracy` feeds the accuracy columns). It must not average: the "
+                     "runner sums and divides by the global batch, so any replica count "
+                     "takes the same steps. It may get an empty slice (B = 0) when a short "
+                     "last batch is split over more replicas than it has examples.")
 
 
 class LinearModel(_Section):
@@ -351,10 +400,14 @@ class CNNModel(_Section):
 
 
 class ImportedModel(_Section):
-    """Any importable `torch.nn.Module` class, built in `strategy.scope()`."""
+    """Any importable `torch.nn.Module` class, built in `strategy.scope()`. With a loss
+    function it may take any batch structure; with a named loss it gets `x` of `(x, y)`.
+    Preflight checks it on the meta device, or (for a forward that needs real values)
+    on CPU with one real batch of 2 examples, and says so."""
 
     kind: Literal["import"] = Field(description="`import`.")
-    target: str = Field(description="`package.module:Class`.")
+    target: str = Field(description="`package.module:Class` (or a function returning a "
+                        "module). " + _TARGET_PATH)
     kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Constructor "
                                          "keyword arguments.")
     loss: LossName = Field("auto", description=_LOSS_DESCRIPTION)
@@ -365,6 +418,21 @@ ModelConfig = Annotated[Union[LinearModel, MLPModel, CNNModel, ImportedModel],
 
 
 # -- optimizer, train, checkpoint ---------------------------------------------------------
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"{value!r} is not a regular expression: {exc}") from None
+    return value
+
+
+def _target(value: str) -> str:
+    module, sep, name = value.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{value!r} is not 'package.module:Class'")
+    return value
+
+
 class ScheduleConfig(_Section):
     """A learning-rate schedule: any `torch.optim.lr_scheduler` class."""
 
@@ -373,27 +441,74 @@ class ScheduleConfig(_Section):
     kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Its keyword "
                                    "arguments (not `optimizer`).")
     interval: Literal["step", "epoch"] = Field("step", description="Call `scheduler.step()` "
-                                               "after every step or every epoch.")
+                                               "after every step or every epoch (in a "
+                                               "chain: the first schedule's).")
+    steps: Int64 | None = Field(None, gt=0, description="(In a chain) how many intervals "
+                                "this schedule lasts before the next takes over; every "
+                                "schedule of a chain but the last needs it.")
+
+
+class ParamGroupConfig(BaseModel):
+    """A parameter group: the parameters whose names (`model.named_parameters()`) match
+    `match`, with their own optimizer options. Groups are tried in order, the first match
+    wins; unmatched parameters form a default group with the optimizer's own options."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+    match: Annotated[str, AfterValidator(_regex)] = Field(
+        description="A regular expression searched in each parameter name "
+        "(`re.search`), e.g. `bias|norm`. Any other key of the group is an optimizer "
+        "option for it (`weight_decay: 0.0`, `lr: 0.001`).")
+
+    def options(self) -> dict:
+        """The group's optimizer options (every key but `match`)."""
+        return dict(self.model_extra or {})
 
 
 class OptimizerConfig(_Section):
-    """The optimizer: any `torch.optim` class, created in `strategy.scope()`."""
+    """The optimizer: any `torch.optim` class (or your own), created in
+    `strategy.scope()`."""
 
     name: str = Field("SGD", description="Class in `torch.optim` (`SGD`, `Adam`, `AdamW`, "
                       "...).")
+    target: Annotated[str, AfterValidator(_target)] | None = Field(
+        None, description="Instead of `name`: an optimizer class outside `torch.optim`, "
+        "`package.module:Class`, called as `Class(params, lr=lr, **kwargs)`. " + _TARGET_PATH)
     lr: float = Field(0.01, gt=0, description="Learning rate.")
     kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Other keyword "
                                    "arguments (`momentum`, `weight_decay`, ...).")
-    schedule: ScheduleConfig | None = Field(None, description="Optional learning-rate "
-                                            "schedule.")
+    param_groups: list[ParamGroupConfig] = Field(
+        default_factory=list, description="Parameter groups with their own options, e.g. "
+        "`[{match: \"bias|norm\", weight_decay: 0.0}]`: first match wins, the rest in a "
+        "default group.")
+    schedule: ScheduleConfig | list[ScheduleConfig] | None = Field(
+        None, description="Optional learning-rate schedule, or a chain of them run one "
+        "after another (`torch.optim.lr_scheduler.SequentialLR`), e.g. `[{name: LinearLR, "
+        "kwargs: {start_factor: 0.1}, steps: 100}, {name: CosineAnnealingLR, kwargs: "
+        "{T_max: 900}}]`: linear warmup, then cosine.")
+
+
+class EarlyStoppingConfig(_Section):
+    """Stop when an evaluated metric has not improved for `patience` evaluations
+    (`train.eval_every`)."""
+
+    metric: str = Field("eval_loss", description="An evaluated metric: `eval_loss`, "
+                        "`eval_accuracy`, or `eval_<name>` of a loss function's metrics.")
+    mode: Literal["min", "max"] = Field("min", description="`min`: lower is better; "
+                                        "`max`: higher is better.")
+    patience: Int64 = Field(3, gt=0, description="Evaluations without improvement before "
+                            "stopping.")
+    min_delta: float = Field(0.0, ge=0, description="The least change that counts as an "
+                             "improvement.")
 
 
 class TrainConfig(_Section):
-    """How long to train, and how reproducibly."""
+    """How long to train, how each step is computed, and how reproducibly."""
 
     steps: Int64 | None = Field(None, gt=0, description="Optimizer steps to run (the "
                               "pipeline restarts, reshuffled, when it runs out). Give "
-                              "`steps` or `epochs`.")
+                              "`steps` or `epochs`. With `accumulate_steps: N` a step "
+                              "takes N batches.")
     epochs: Int64 | None = Field(None, gt=0, description="Full passes over the pipeline. "
                                "Give `steps` or `epochs`.")
     seed: Int64 = Field(0, description="Seeds torch, numpy, Python's random, shuffles and "
@@ -404,16 +519,59 @@ class TrainConfig(_Section):
         "becoming NaN: the mean loss of a log window (`log_every` steps) exceeds this many "
         "times the first step's loss in 3 windows in a row, or in the run's last window. "
         "null: no check.")
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="Clip the global gradient norm to this value after the "
+        "replicas' gradients are summed (and accumulated), before the optimizer step; the "
+        "norm before clipping is reported as `grad_norm` in `--metrics` lines. null: no "
+        "clipping.")
+    accumulate_steps: Int64 = Field(
+        1, gt=0, description="Batches (micro-steps) whose gradients are accumulated into "
+        "one optimizer step: the loss is divided by the examples of all N, so N batches of "
+        "B take the step one batch of N x B takes. `train.steps` counts optimizer steps; a "
+        "pass's last step takes the batches left (fewer than N).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="`bf16`: forward under `torch.autocast` with bfloat16 (CPU or "
+        "GPU); `fp16`: float16 autocast with a gradient scaler, GPU replicas only. "
+        "Parameters, gradients and optimizer state stay float32.")
+    compile: bool = Field(False, description="Run the model through `torch.compile` (once; "
+                          "every replica calls the compiled model).")
+    eval_every: Int64 = Field(
+        0, ge=0, description="Evaluate the holdout (`dataset.holdout`) every N steps during "
+        "training: a `--metrics` line with an `eval` field, and an entry of `evaluations` "
+        "in the `--json` result. 0: only at the end.")
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None, description="Stop early when an evaluated metric stops improving (needs "
+        "`eval_every`); null: never.")
+
+
+class BestCheckpointConfig(_Section):
+    """Keep the checkpoint of the best evaluation (`train.eval_every`) besides the newest
+    `keep`."""
+
+    metric: str = Field("eval_loss", description="An evaluated metric: `eval_loss`, "
+                        "`eval_accuracy`, or `eval_<name>` of a loss function's metrics.")
+    mode: Literal["min", "max"] = Field("min", description="`min`: lower is better; "
+                                        "`max`: higher is better.")
 
 
 class CheckpointConfig(_Section):
     """Atomic checkpoints for `--resume` and Ctrl-C."""
 
-    dir: str | None = Field(None, description="Directory of checkpoints (relative to the "
-                            "current directory); null: no checkpoints.")
+    dir: str | None = Field(None, description="Directory of checkpoints; null: no "
+                            "checkpoints. A relative path written in the config file starts "
+                            "at the file's folder; one given as a command-line override, at "
+                            "the current folder.")
     every_steps: Int64 = Field(0, ge=0, description="Steps between checkpoints; 0: only at "
                              "the end and on Ctrl-C.")
     keep: Int64 = Field(3, gt=0, description="How many of the newest checkpoints to keep.")
+    keep_best: BestCheckpointConfig | None = Field(
+        None, description="Also keep the checkpoint of the best evaluation (saved when an "
+        "evaluation improves on the best), whatever `keep` rotates out; the result's "
+        "`checkpoint.best` names it.")
+    export: Literal["safetensors"] | None = Field(
+        None, description="At the end of a completed run, write the final weights to "
+        "`<dir>/model.safetensors` (atomically): the model's own `state_dict` keys, "
+        "loadable with `safetensors.torch.load_file` and no csrun.")
 
 
 class RunConfig(_Section):

@@ -27,6 +27,7 @@ import torch
 from ..config.problems import ConfigError, Problem
 from ..config.schema import DatasetConfig
 from ..config.targets import import_object
+from .imported import Collate, Guarded, ImportedData, examples
 from .sources import SourceData, derive_seed
 
 __all__ = ["Pipeline", "ExampleSet"]
@@ -179,7 +180,8 @@ class Pipeline:
 
     Args:
       config: the ``dataset`` section.
-      data: the loaded source.
+      data: the loaded source: in memory, or the user's dataset (its examples collated
+        by ``dataset.collate``; an iterable one is streamed through the steps).
       indices: which examples of ``data`` the pipeline starts from (the non-held-out ones).
       seed: ``train.seed`` (the default seed of shuffles, and the workers' seeds).
 
@@ -187,8 +189,8 @@ class Pipeline:
       ConfigError: every problem of the steps (no batch step, bad map function, ...).
     """
 
-    def __init__(self, config: "DatasetConfig", data: SourceData, indices: torch.Tensor,
-                 seed: int):
+    def __init__(self, config: "DatasetConfig", data: "SourceData | ImportedData",
+                 indices: torch.Tensor, seed: int):
         self.config, self.data, self.seed = config, data, seed
         self.indices = [int(i) for i in indices]
         self.batch_size: int | None = None
@@ -203,12 +205,40 @@ class Pipeline:
         if self.batch_size is None:
             problems.append(Problem("dataset.steps", "no batch step", "add "
                                     "{op: batch, size: 32} (the global batch size)"))
+        problems += self._imported_problems()
         if problems:
             raise ConfigError(problems)
-        self.dataset = ExampleSet(data, element_fns, batch_fns)
+        self.imported = isinstance(data, ImportedData)
+        self.streamed = self.imported and data.iterable
+        if self.imported:  # batches: the user's examples through dataset.collate
+            self.dataset, self.collate = (None if self.streamed else Guarded(data)), \
+                Collate(config.collate)
+        else:  # batches: (x, y) indexed at once; transforms applied in ExampleSet
+            self.dataset, self.collate = ExampleSet(data, element_fns, batch_fns), _as_is
+
+    def _imported_problems(self) -> list[Problem]:
+        """What a user's dataset cannot take (an iterable one has no indices)."""
+        config = self.config
+        if not isinstance(self.data, ImportedData):
+            return [Problem("dataset.collate", "applies to source kind: import only",
+                            "remove it; built-in sources batch (x, y) themselves")] \
+                if config.collate else []
+        problems = [Problem(f"dataset.steps.{k}", f"{step.op} works on built-in sources "
+                            "only", "transform in your dataset or collate function")
+                    for k, step in enumerate(config.steps) if step.op in ("map", "normalize")]
+        if self.data.iterable and config.workers:
+            problems.append(Problem("dataset.workers", "an IterableDataset is read in the "
+                                    "main process (workers would each read all of it)",
+                                    "set workers: 0, or make the dataset map-style"))
+        if self.data.iterable and config.holdout:
+            problems.append(Problem("dataset.holdout", "an IterableDataset has no length "
+                                    "to hold a fraction out of", "set holdout: 0"))
+        return problems
 
     def _compile(self, k: int, step, fns: list) -> list[Problem]:
         field = f"dataset.steps.{k}"
+        if step.op in ("map", "normalize") and isinstance(self.data, ImportedData):
+            return []  # reported by _imported_problems
         if step.op == "batch" and self.batch_size is not None:
             return [Problem(field, "a second batch step", "batch once; steps after it act "
                             "on whole batches")]
@@ -260,9 +290,11 @@ class Pipeline:
         """The batches of example indices of pass ``epoch`` (deterministic).
 
         ``pipelines``/``pipeline_id`` resolve ``shard`` steps left to the InputContext;
-        ``batch_size`` replaces the batch step's size (per-replica batches).
+        ``batch_size`` replaces the batch step's size (per-replica batches). A streamed
+        (iterable) dataset's plan holds its examples instead of indices.
         """
-        stream: Callable = lambda iteration: iter(self.indices)  # noqa: E731
+        stream: Callable = (lambda iteration: examples(self.data)) if self.streamed else \
+            (lambda iteration: iter(self.indices))
         for k, step in self._ops:
             stream = self._stage(stream, k, step, (pipelines, pipeline_id), batch_size)
         return stream((epoch,))
@@ -290,8 +322,9 @@ class Pipeline:
 
     def batches_per_epoch(self, pipelines: int = 1, pipeline_id: int = 0,
                           batch_size: int | None = None) -> int | None:
-        """How many batches one pass yields; None when the pipeline repeats forever."""
-        if self.infinite:
+        """How many batches one pass yields; None when the pipeline repeats forever or
+        streams a dataset of unknown length."""
+        if self.infinite or self.streamed:
             return None
         # counted, not walked: a `repeat` of 10**12 would take days to walk
         count = len(self.indices)
@@ -309,8 +342,9 @@ class Pipeline:
         return count
 
     def steps_per_epoch(self, replicas: int) -> int | None:
-        """Training steps in one pass, as the configured distribution consumes batches."""
-        if self.infinite:
+        """Training steps in one pass, as the configured distribution consumes batches
+        (None: unknown)."""
+        if self.infinite or self.streamed:
             return None
         if self.config.distribute == "global":
             return self.batches_per_epoch()
@@ -322,7 +356,12 @@ class Pipeline:
     # -- loaders -----------------------------------------------------------------------
     def loader(self, epoch: int, skip: int = 0, *, pipelines: int = 1, pipeline_id: int = 0,
                batch_size: int | None = None, pin_memory: bool = False):
-        """A DataLoader over pass ``epoch`` of the plan, after its first ``skip`` batches."""
+        """A DataLoader over pass ``epoch`` of the plan, after its first ``skip`` batches
+        (a streamed dataset replays them: read, not collated)."""
+        if self.streamed:
+            batches = _StreamedBatches(self, epoch, skip, (pipelines, pipeline_id, batch_size))
+            return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=_as_is,
+                                               pin_memory=pin_memory)
         sampler = _PlanSampler(self, epoch, skip, (pipelines, pipeline_id, batch_size))
         return self._loader(sampler, derive_seed(self.seed, 2, epoch, pipeline_id), pin_memory)
 
@@ -337,8 +376,20 @@ class Pipeline:
         extra = dict(worker_init_fn=_seed_worker, prefetch_factor=self.prefetch) \
             if workers else {}
         return torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=batch_sampler, collate_fn=_as_is, num_workers=workers,
+            self.dataset, batch_sampler=batch_sampler, collate_fn=self.collate,
+            num_workers=workers,
             pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **extra)
+
+
+class _StreamedBatches(torch.utils.data.IterableDataset):
+    """One pass of a streamed dataset's plan, collated; resumed by replaying ``skip``."""
+
+    def __init__(self, pipeline: Pipeline, epoch: int, skip: int, context: tuple):
+        self.pipeline, self.epoch, self.skip, self.context = pipeline, epoch, skip, context
+
+    def __iter__(self) -> Iterator:
+        plan = self.pipeline.plan(self.epoch, *self.context)
+        return map(self.pipeline.collate, itertools.islice(plan, self.skip, None))
 
 
 class _PlanSampler(torch.utils.data.Sampler):

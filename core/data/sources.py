@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..config.problems import ConfigError, Problem
+from .imported import ImportedData, load_imported
 
 __all__ = ["SourceData", "load_source", "source_bytes", "split_holdout", "derive_seed"]
 
@@ -62,12 +63,16 @@ def derive_seed(*parts: int) -> int:
 
 
 # -- sources -------------------------------------------------------------------------------
-def load_source(source: Any) -> SourceData:
-    """Read (or generate) every example of ``dataset.source``.
+def load_source(source: Any) -> "SourceData | ImportedData":
+    """Read (or generate) every example of ``dataset.source``; for ``kind: import``, the
+    user's dataset (:mod:`.imported`), read as the pipeline goes.
 
     Raises:
-      ConfigError: a missing or unreadable file, unknown keys/columns, bad shapes.
+      ConfigError: a missing or unreadable file, unknown keys/columns, bad shapes, a
+        user dataset that fails.
     """
+    if source.kind == "import":
+        return load_imported(source)
     loader = {"range": _range, "synthetic": _synthetic, "file": _file,
               "digits": _digits}[source.kind]
     return loader(source)

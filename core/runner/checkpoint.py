@@ -28,7 +28,7 @@ import torch
 from .digests import file_sha256
 from .dir_lock import DirectoryLock
 
-__all__ = ["CheckpointError", "CheckpointManager", "FORMAT"]
+__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "write_atomic"]
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{8,})\.json$")
@@ -41,7 +41,7 @@ class CheckpointError(RuntimeError):
 _TEMP = re.compile(r"^\.ckpt-\d{8,}\.(pt|json)\..*\.tmp$")
 
 
-def _write_atomic(path: pathlib.Path, write) -> None:
+def write_atomic(path: pathlib.Path, write) -> None:
     """Call ``write(file)`` on a temp file beside ``path``, fsync it, rename it over."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -121,6 +121,7 @@ class CheckpointManager:
         self.keep = keep
         self.identity = identity
         self._lock: DirectoryLock | None = None
+        self.best_step: int | None = None  # survives the rotation (checkpoint.keep_best)
 
     def claim(self) -> None:
         """Own the directory for this run (:class:`DirectoryLock`); before anything in
@@ -144,16 +145,16 @@ class CheckpointManager:
           CheckpointError: it could not be written (a full disk, no permission); the
             directory is left as it was, earlier checkpoints intact.
         """
-        path = self.directory / f"ckpt-{step:08d}.pt"
+        path = self.path_of(step)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            _write_atomic(path, lambda f: torch.save(payload, f))
+            write_atomic(path, lambda f: torch.save(payload, f))
             manifest = {"format": FORMAT, "step": step, "file": path.name,
                         "bytes": path.stat().st_size, "sha256": file_sha256(path),
                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                         "torch": torch.__version__, "identity": self.identity}
             text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            _write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
+            write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
         except OSError as exc:
             if not path.with_suffix(".json").exists():  # a payload without its manifest
                 with _suppress():
@@ -195,6 +196,10 @@ class CheckpointManager:
                  if (m := _NAME.match(p.name))]
         return [p for _, p in sorted(found)]
 
+    def path_of(self, step: int) -> pathlib.Path:
+        """The payload path of ``step``'s checkpoint."""
+        return self.directory / f"ckpt-{step:08d}.pt"
+
     def clear(self) -> int:
         """Remove every checkpoint in the directory (a run starting over); returns how many."""
         manifests = self.manifests()
@@ -205,7 +210,10 @@ class CheckpointManager:
         return len(manifests)
 
     def _prune(self) -> None:
+        best = f"ckpt-{self.best_step:08d}.json" if self.best_step is not None else None
         for manifest in self.manifests()[:-self.keep]:
+            if manifest.name == best:
+                continue
             with _suppress():  # the manifest first: a payload alone is never loaded
                 manifest.unlink()
                 manifest.with_suffix(".pt").unlink()

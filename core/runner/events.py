@@ -91,11 +91,13 @@ class Notice(_Event):
 
 @dataclasses.dataclass
 class Evaluated(_Event):
-    """Held-out metrics (``dataset.holdout``) after training."""
+    """Held-out metrics (``dataset.holdout``): after training, and every
+    ``train.eval_every`` steps during it (``step`` set)."""
 
     examples: int
     loss: float
     accuracy: float | None
+    step: int | None = None  # during training: after this step
 
 
 @dataclasses.dataclass
@@ -122,3 +124,7 @@ class RunResult(_Event):
     strategy: dict[str, Any]
     checkpoint: dict[str, Any]
     signal: str | None = None  # "SIGINT" or "SIGTERM" when interrupted by one
+    # every evaluation during training (``train.eval_every``): {"step", "eval_loss", ...}
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # ``train.early_stopping`` ended the run: {"step", "metric", "best", "best_step"}
+    early_stopped: dict[str, Any] | None = None

@@ -23,6 +23,7 @@ from torch import nn
 from ..config.targets import import_object
 from ..config.schema import ModelConfig
 from ..config.problems import ConfigError, Problem
+from ..config.user_code import user_problem
 
 
 __all__ = ["build_model", "resolve_loss", "make_loss", "check_model", "count_parameters",
@@ -90,6 +91,9 @@ def _imported(config) -> nn.Module:
     except TypeError as exc:
         raise ConfigError([Problem("model.kwargs", f"{config.target}(**kwargs) failed: {exc}",
                                    "check the constructor's parameter names")]) from None
+    except Exception as exc:  # noqa: BLE001 - the user's constructor may raise anything
+        raise ConfigError([user_problem("model.target", f"{config.target}(**kwargs)",
+                                        exc)]) from None
     if not isinstance(model, nn.Module):
         raise ConfigError([Problem("model.target", f"{config.target} built a "
                                    f"{type(model).__name__}, not a torch.nn.Module")])

@@ -1,24 +1,27 @@
-"""Optimizers and learning-rate schedules named in a config (any ``torch.optim`` class).
+"""Optimizers named in a config (a ``torch.optim`` class or your own), with parameter
+groups by name; schedules are :mod:`.schedules`.
 
 Example::
 
-    optimizer = build_optimizer(config.optimizer, model.parameters())
+    optimizer = build_optimizer(config.optimizer, model.named_parameters())
     schedule = build_schedule(config.optimizer.schedule, optimizer)
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Iterable
 
 import torch
 
-from ..config.schema import OptimizerConfig, ScheduleConfig
 from ..config.problems import ConfigError, Problem, did_you_mean
+from ..config.schema import OptimizerConfig
+from ..config.targets import import_object, lookup_class, parameters_hint
+from .schedules import build_schedule
 
-
-__all__ = ["optimizer_names", "schedule_names", "build_optimizer", "build_schedule",
-           "check_optimizer"]
+__all__ = ["optimizer_names", "optimizer_class", "param_groups", "unmatched_groups",
+           "build_optimizer", "build_schedule", "check_optimizer"]
 
 
 def optimizer_names() -> list[str]:
@@ -28,61 +31,89 @@ def optimizer_names() -> list[str]:
                   and obj is not torch.optim.Optimizer)
 
 
-def schedule_names() -> list[str]:
-    """Every schedule class in ``torch.optim.lr_scheduler``."""
-    base = torch.optim.lr_scheduler.LRScheduler
-    return sorted(name for name, obj in vars(torch.optim.lr_scheduler).items()
-                  if inspect.isclass(obj) and issubclass(obj, base) and obj is not base
-                  and not name.startswith("_"))
+def optimizer_class(config: "OptimizerConfig") -> type:
+    """``optimizer.target``'s class, else ``torch.optim.<name>``.
+
+    Raises:
+      ConfigError: an unknown name, a target that does not import, or both given.
+    """
+    if config.target is None:
+        return lookup_class(torch.optim, config.name, optimizer_names(), "optimizer.name",
+                       "torch.optim optimizer")
+    if "name" in config.model_fields_set:
+        raise ConfigError([Problem("optimizer.target", "give name or target, not both",
+                                   "name: a torch.optim class; target: your own class")])
+    return import_object(config.target, "optimizer.target")
 
 
-def _lookup(module: Any, name: str, names: list[str], field: str, what: str):
-    if name not in names:
-        raise ConfigError([Problem(field, f"{name!r} is not a {what}",
-                                   did_you_mean(name, names) or f"one of: {', '.join(names)}")])
-    return getattr(module, name)
+def param_groups(config: "OptimizerConfig", named: Iterable[tuple[str, Any]]) -> list:
+    """The parameters split by ``optimizer.param_groups``: each parameter goes to the
+    first group whose ``match`` is found in its name; the rest make a default group
+    (with the optimizer's own options), listed first. Returns what the optimizer takes."""
+    named = list(named)
+    if not config.param_groups:
+        return [p for _, p in named]
+    groups: list[list] = [[] for _ in config.param_groups]
+    rest = []
+    for name, param in named:
+        index = next((i for i, g in enumerate(config.param_groups)
+                      if re.search(g.match, name)), None)
+        (rest if index is None else groups[index]).append(param)
+    return [{"params": rest}] + [{"params": params, **g.options()}
+                                 for g, params in zip(config.param_groups, groups)]
+
+
+def unmatched_groups(config: "OptimizerConfig", names: Iterable[str]) -> list[str]:
+    """The ``match`` patterns that no parameter name matches (likely typos)."""
+    names = list(names)
+    return [g.match for g in config.param_groups
+            if not any(re.search(g.match, n) for n in names)]
 
 
 def build_optimizer(config: "OptimizerConfig", params: Iterable) -> torch.optim.Optimizer:
-    """``torch.optim.<name>(params, lr=lr, **kwargs)``.
+    """``cls(params, lr=lr, **kwargs)``; ``params``: parameters, or ``(name, parameter)``
+    pairs, which ``optimizer.param_groups`` split into groups.
 
     Raises:
-      ConfigError: an unknown name, or keyword arguments the class refuses.
+      ConfigError: an unknown class, or keyword arguments the class refuses.
     """
-    cls = _lookup(torch.optim, config.name, optimizer_names(), "optimizer.name",
-                  "torch.optim optimizer")
+    cls = optimizer_class(config)
+    params = list(params)
+    if params and isinstance(params[0], tuple):
+        params = param_groups(config, params)
     try:
-        return cls(params, lr=config.lr, **config.kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError([Problem("optimizer.kwargs", f"{config.name}: {exc}",
-                                   _parameters_hint(cls, {"params", "lr"}))]) from None
-
-
-def build_schedule(config: "ScheduleConfig | None", optimizer: torch.optim.Optimizer):
-    """``torch.optim.lr_scheduler.<name>(optimizer, **kwargs)``, or None without one."""
-    if config is None:
-        return None
-    cls = _lookup(torch.optim.lr_scheduler, config.name, schedule_names(),
-                  "optimizer.schedule.name", "torch.optim.lr_scheduler schedule")
-    try:
-        return cls(optimizer, **config.kwargs)
+        optimizer = cls(params, lr=config.lr, **config.kwargs)
     except (TypeError, ValueError, KeyError) as exc:
-        raise ConfigError([Problem("optimizer.schedule.kwargs", f"{config.name}: {exc}",
-                                   _parameters_hint(cls, {"optimizer"}))]) from None
+        field = "optimizer.param_groups" if config.param_groups and "group" in str(exc) \
+            else "optimizer.kwargs"
+        raise ConfigError([Problem(field, f"{cls.__name__}: {exc}",
+                                   parameters_hint(cls, {"params", "lr"}))]) from None
+    _check_group_options(config, optimizer)
+    return optimizer
 
 
-def _parameters_hint(cls: type, skip: set) -> str | None:
-    try:
-        names = [n for n in inspect.signature(cls).parameters if n not in skip]
-    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
-        return None
-    return f"{cls.__name__} takes: {', '.join(names)}" if names else None
+def _check_group_options(config: "OptimizerConfig", optimizer) -> None:
+    """A group's option the optimizer does not know would be kept and ignored: refuse it."""
+    known = sorted(optimizer.defaults)
+    problems = [Problem(f"optimizer.param_groups.{i}.{key}", f"{type(optimizer).__name__} "
+                        "has no such option", did_you_mean(key, known) or
+                        f"its options: {', '.join(known)}")
+                for i, group in enumerate(config.param_groups) for key in group.options()
+                if key not in optimizer.defaults]
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_optimizer(config: "OptimizerConfig") -> list[Problem]:
-    """Build the optimizer and schedule on a dummy parameter to catch every mistake now."""
+    """Build the optimizer and schedule on dummy parameters (one per group) to catch every
+    mistake now."""
+    named = [("_default", torch.zeros(1, requires_grad=True))] + \
+        [(f"group{i}", torch.zeros(1, requires_grad=True))
+         for i in range(len(config.param_groups))]
+    dummy = config.model_copy(update={"param_groups": [
+        g.model_copy(update={"match": f"^group{i}$"}) for i, g in enumerate(config.param_groups)]})
     try:
-        optimizer = build_optimizer(config, [torch.zeros(1, requires_grad=True)])
+        optimizer = build_optimizer(dummy, named)
     except ConfigError as exc:
         problems = exc.problems
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)

@@ -13,13 +13,16 @@ import pathlib
 import stat
 from typing import Any, Mapping, Sequence
 
+from ..data.imported import Collate, ImportedData, first_batch
 from ..data.pipeline import Pipeline
 from ..data.sources import SourceData, load_source, source_bytes, split_holdout
 from ..distribute.device_lib import memory_bytes
 from ..distribute.devices import (DeviceError, default_compute_devices, default_parameter_device,
                       resolve_device)
-from .models import check_model, model_bytes
+from .model_checks import check_fit
+from .models import model_bytes
 from .optimizers import check_optimizer
+from .training_checks import check_training
 from ..config.loading import read_config, read_config_text
 from ..config.problems import ConfigError, Problem
 from ..config.schema import RunConfig
@@ -57,6 +60,7 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
         problems += check_optimizer(optimizer)
     if sections.get("checkpoint") is not None:
         problems += check_checkpoint_dir(sections["checkpoint"])
+    problems += check_training(sections)
     if train is not None and (train.steps is None) == (train.epochs is None):
         problems.append(Problem("train", "give exactly one of steps and epochs" +
                                 (" (both are set)" if train.steps else ""),
@@ -67,11 +71,26 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
     data, pipeline, found = _check_data(dataset, seed)
     problems += found
     if data is not None and model is not None:
-        found = check_model(model, data.feature_shape, data.outputs, data.task)
+        found = _check_model(model, data, dataset)
         problems += found or _check_model_memory(model, data, strategy)
+    if isinstance(data, ImportedData) and data.iterable and train is not None and train.epochs:
+        problems.append(Problem("train.epochs", "an IterableDataset has no known length, "
+                                "so an epoch's steps are unknown", "use train.steps"))
     if pipeline is not None and strategy is not None and not _has(problems, "strategy"):
         problems += _check_distribution(dataset, pipeline, replica_count(strategy), train)
     return problems
+
+
+def _check_model(model, data: "SourceData | ImportedData", dataset) -> list[Problem]:
+    """The model and its loss on a real batch of 2 examples (on the meta device first)."""
+    if isinstance(data, ImportedData):
+        try:
+            sample = first_batch(data, Collate(dataset.collate), 2)
+        except ConfigError as exc:
+            return exc.problems
+    else:
+        sample = (data.features[:2], data.targets[:2])
+    return check_fit(model, data, sample)
 
 
 def _has(problems: list[Problem], section: str) -> bool:
@@ -266,8 +285,8 @@ def _check_distribution(dataset, pipeline: Pipeline, replicas: int, train) -> li
                         "(distribute: per_replica)",
                         f"use a multiple of {replicas}, e.g. "
                         f"{pipeline.batch_size // replicas * replicas or replicas}")]
-    if pipeline.infinite:
-        if train is not None and train.epochs is not None:
+    if pipeline.infinite or pipeline.streamed:  # no length to check against
+        if pipeline.infinite and train is not None and train.epochs is not None:
             return [Problem("train.epochs", "the pipeline repeats forever, so an epoch "
                             "never ends", "use train.steps, or give repeat a count")]
         return []

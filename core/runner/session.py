@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import pathlib
 import random
 import signal
 import threading
@@ -49,8 +50,13 @@ from .divergence import diverged
 from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult, RunStarted,
                      StepDone, StepLog)
 from .metrics import MetricSinks
-from .models import build_model, count_parameters, make_loss, resolve_loss
-from .optimizers import build_optimizer, build_schedule
+from .models import build_model, count_parameters, resolve_loss
+from .objectives import make_objective
+from .export import export_safetensors
+from .improvement import MetricWatch
+from .optimizers import build_optimizer, unmatched_groups
+from .precision import Precision
+from .schedules import build_schedule, schedule_interval
 from .plots import write_plot
 
 __all__ = ["RunError", "NonFiniteLoss", "Outputs", "Role", "LocalRole", "Session",
@@ -200,10 +206,12 @@ class _Tally:
         self.replica_loss = [0.0] * replicas
         self.replica_seconds = [0.0] * replicas
         self.phases = dict.fromkeys(PHASES, 0.0)
+        self.metrics: dict[str, float] = {}  # sums of a loss function's metrics
 
     def add(self, per_replica: Sequence[dict], phases: dict[str, float]) -> None:
         self.steps += 1
         for r, stats in enumerate(per_replica):
+            _add_metrics(vars(self), stats)
             examples, loss = int(stats["examples"]), float(stats["loss"])
             self.examples += examples
             self.loss += loss
@@ -310,13 +318,19 @@ class Session:
         self.strategy = self.role.strategy
         self.replicas = self.strategy.num_replicas_in_sync
         self.devices = [_short(name) for name in self.strategy.extended.worker_devices]
-        self.classify = self.data.task == "classification"
-        self.loss_fn = make_loss(resolve_loss(config.model, self.data.task))
+        self.objective = make_objective(config.model, self.data.task)
         with self.strategy.scope():  # parameters and optimizer state live centrally
             self.model = build_model(config.model, self.data.feature_shape, self.data.outputs)
-            self.optimizer = build_optimizer(config.optimizer, self.model.parameters())
+            self.optimizer = build_optimizer(config.optimizer, self.model.named_parameters())
             self.schedule = build_schedule(config.optimizer.schedule, self.optimizer)
-        self.steps_per_epoch = self.pipeline.steps_per_epoch(self.replicas)
+        self._check_groups()
+        self.interval = schedule_interval(config.optimizer.schedule)
+        self.precision = Precision(config.train.precision,
+                                   self.strategy.extended.parameter_device.torch_device)
+        self.forward_model = _compiled(self.model) if config.train.compile else self.model
+        self.accumulate = config.train.accumulate_steps
+        batches = self.pipeline.steps_per_epoch(self.replicas)  # an optimizer step takes
+        self.steps_per_epoch = batches and -(-batches // self.accumulate)  # N of them
         self.total_steps = config.train.steps or config.train.epochs * self.steps_per_epoch
         self.manager = self._checkpoints()
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
@@ -331,11 +345,31 @@ class Session:
         self.session_seconds = 0.0
         self.step_times: list[list[float]] = []  # per step, per replica (for --plot)
         self._sizes: Iterator[int] = iter(())  # global batch sizes of the pass (sliced role)
+        self.eval_metrics: dict[str, float] = {}  # a loss function's, on the holdout
+        self.evaluations: list[dict[str, Any]] = []  # train.eval_every's, in step order
+        self._last_eval: Evaluated | None = None
+        self.early_stopped: dict[str, Any] | None = None
+        stopping, best = config.train.early_stopping, config.checkpoint.keep_best
+        self.stopper = stopping and MetricWatch(stopping.metric, stopping.mode,
+                                                stopping.min_delta)
+        self.best = best and MetricWatch(best.metric, best.mode)
+
+    @property
+    def classify(self) -> bool:
+        """Whether there are correct predictions to count (accuracy)."""
+        return self.objective.classify
 
     def close(self) -> None:
         self.sinks.close()
         if self.manager is not None:
             self.manager.release()
+
+    def _check_groups(self) -> None:
+        unmatched = unmatched_groups(self.config.optimizer,
+                                     (n for n, _ in self.model.named_parameters()))
+        if unmatched:
+            self.emit(Notice(f"optimizer.param_groups: no parameter name matches "
+                             f"{', '.join(map(repr, unmatched))}; those groups are empty"))
 
     def _checkpoints(self) -> CheckpointManager | None:
         """The checkpoint manager (None without ``checkpoint.dir``, or when they are the
@@ -359,6 +393,9 @@ class Session:
                 "rng": _rng_state(), "losses": torch.tensor(self.losses, dtype=torch.float64),
                 "totals": self.totals.state(), "window": self.window.state(),
                 "last_log": self.last_log.to_dict() if self.last_log else None,
+                "evaluations": self.evaluations, "scaler": self.precision.state_dict(),
+                "watches": {"stopper": self.stopper and self.stopper.state(),
+                            "best": self.best and self.best.state()},
                 **self.role.checkpoint_state()}
 
     def save(self) -> None:
@@ -423,6 +460,14 @@ class Session:
         self.window.load(payload["window"])
         last = payload.get("last_log")
         self.last_log = _step_log_from(last) if last else None
+        self.evaluations = list(payload.get("evaluations", []))
+        self.precision.load_state_dict(payload.get("scaler"))
+        watches = payload.get("watches", {})
+        for name in ("stopper", "best"):
+            if getattr(self, name) is not None:
+                getattr(self, name).load(watches.get(name))
+        if self.best is not None and self.manager is not None:
+            self.manager.best_step = self.best.best_step  # the rotation keeps it
         _set_rng_state(payload["rng"])
 
     # -- the loop --------------------------------------------------------------------------
@@ -436,15 +481,14 @@ class Session:
         self.emit(self._started())
         begin = time.perf_counter()
         with self.strategy.scope():  # cross-replica context, as in TF
-            while self.step < self.total_steps and not stop.is_set():
+            while self._going(stop):
                 start_position = self.position
                 if not self._epoch(stop):
                     break
                 if self.position == start_position == 0:
                     raise RunError(f"the pipeline yielded no step in epoch {self.epoch}")
                 self.epoch, self.position = self.epoch + 1, 0  # the pass ended: next one
-                if self.schedule is not None and self.config.optimizer.schedule.interval \
-                        == "epoch":
+                if self.schedule is not None and self.interval == "epoch":
                     self.schedule.step()
         self.session_seconds += time.perf_counter() - begin
         if stop.is_set():
@@ -452,17 +496,21 @@ class Session:
         self.role.settle()
         self.save()
 
+    def _going(self, stop: threading.Event) -> bool:
+        return self.step < self.total_steps and not stop.is_set() and not self.early_stopped
+
     def _epoch(self, stop: threading.Event) -> bool:
-        """Run steps of the current pass; True when the pass ran out of batches."""
+        """Run steps of the current pass; True when the pass ran out of batches. A step
+        takes ``train.accumulate_steps`` batches (the pass's last one, those left)."""
         iterator = iter(self._distribute())
         try:
-            while self.step < self.total_steps and not stop.is_set():
+            while self._going(stop):
                 begin = time.perf_counter()
-                try:
-                    batch = next(iterator)
-                except StopIteration:
+                batches = list(itertools.islice(iterator, self.accumulate))
+                if batches:
+                    self._train_step(batches, time.perf_counter() - begin)
+                if len(batches) < self.accumulate:
                     return True
-                self._train_step(batch, time.perf_counter() - begin)
             return False
         finally:
             iterator.close()
@@ -497,38 +545,53 @@ class Session:
             dataset_fn, InputOptions(experimental_replication_mode=mode,
                                      experimental_per_replica_buffer_size=buffer))
 
-    def _replica_step(self, x: torch.Tensor, y: torch.Tensor, global_examples: int) -> dict:
+    def _replica_step(self, batch: Any, step_examples: int, scale: float) -> dict:
         """One replica's part of a step (replica context): forward, backward, stats."""
         begin = time.perf_counter()
-        output = self.model(x)
-        loss = self.loss_fn(output, y)
-        (loss / global_examples).backward()  # summed over replicas: the global mean's grad
-        correct = (output.argmax(1) == y).sum() if self.classify else torch.zeros((), dtype=
-                                                                                 torch.int64)
-        return {"loss": loss.detach(), "examples": torch.tensor(x.shape[0]),
-                "correct": correct, "seconds": torch.tensor(time.perf_counter() - begin,
-                                                            dtype=torch.float64)}
+        with self.precision.autocast(_device_type(batch)):
+            stats = self.objective.stats(self.forward_model, batch)
+        # divided by all the step's examples (every replica, every accumulated batch):
+        # the summed gradients are those of the step's mean
+        loss = stats["loss"].float() / step_examples
+        (loss * scale if scale != 1.0 else loss).backward()
+        stats["loss"] = stats["loss"].detach()
+        stats["seconds"] = torch.tensor(time.perf_counter() - begin, dtype=torch.float64)
+        return stats
 
-    def _train_step(self, batch: Any, distribute_s: float) -> None:
-        x, y = batch
+    def _train_step(self, batches: list, distribute_s: float) -> None:
+        """One optimizer step over ``batches`` (``train.accumulate_steps`` of them): each
+        is run, the gradients add up centrally, then one update."""
         strategy = self.strategy
-        global_examples = self._global_examples(x)
+        examples = sum(self._global_examples(_first_leaf(b)) for b in batches)
         self.optimizer.zero_grad(set_to_none=True)
+        scale = self.precision.loss_scale()
         t0 = time.perf_counter()
-        out = strategy.run(self._replica_step, args=(x, y, global_examples))
+        outs = [strategy.run(self._replica_step, args=(b, examples, scale)) for b in batches]
         t1 = time.perf_counter()
-        per_replica = strategy.experimental_local_results(out)
+        per_replica = _sum_stats([strategy.experimental_local_results(o) for o in outs])
         self._check_finite(per_replica)
-        self.optimizer.step()
-        if self.schedule is not None and self.config.optimizer.schedule.interval == "step":
-            self.schedule.step()
+        grad_norm = self._update()
         t2 = time.perf_counter()
-        totals = strategy.reduce("SUM", {k: out[k] for k in ("loss", "examples", "correct")},
-                                 axis=None)
-        loss = float(totals["loss"]) / int(totals["examples"])
+        totals = [strategy.reduce("SUM", {k: o[k] for k in ("loss", "examples")}, axis=None)
+                  for o in outs]
+        loss = sum(float(t["loss"]) for t in totals) / sum(int(t["examples"]) for t in totals)
         t3 = time.perf_counter()
         self._record(per_replica, loss, {"distribute": distribute_s, "run": t1 - t0,
-                                         "update": t2 - t1, "reduce": t3 - t2})
+                                         "update": t2 - t1, "reduce": t3 - t2},
+                     len(batches), grad_norm)
+
+    def _update(self) -> float | None:
+        """Unscale (fp16), clip (``train.grad_clip_norm``), step, schedule; returns the
+        gradient norm before clipping (None without clipping)."""
+        self.precision.unscale(self.optimizer)
+        clip, norm = self.config.train.grad_clip_norm, None
+        if clip is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        self.precision.step(self.optimizer)
+        if self.schedule is not None and self.interval == "step":
+            self.schedule.step()
+        return norm
 
     def _global_examples(self, x: Any) -> int:
         """The examples of this step's global batch; a step function divides its summed
@@ -554,9 +617,10 @@ class Session:
         return "no checkpoint was written" if self.role.is_chief else \
             "checkpoints are the chief's"
 
-    def _record(self, per_replica: Sequence[dict], loss: float, phases: dict) -> None:
+    def _record(self, per_replica: Sequence[dict], loss: float, phases: dict,
+                batches: int = 1, grad_norm: float | None = None) -> None:
         self.step += 1
-        self.position += 1
+        self.position += batches
         self.losses.append(loss)
         for tally in (self.totals, self.window, self.session):
             tally.add(per_replica, phases)
@@ -565,13 +629,18 @@ class Session:
             self.step_times.append(seconds)
         examples = sum(int(s["examples"]) for s in per_replica)
         correct = sum(int(s["correct"]) for s in per_replica)
-        self.sinks.write({"step": self.step, "epoch": self.epoch, "loss": loss,
-                          "accuracy": correct / examples if self.classify else None,
-                          "examples": examples, "learning_rate": self._lr(),
-                          "step_time_s": seconds, "phases_s": phases})
+        record = {"step": self.step, "epoch": self.epoch, "loss": loss,
+                  "accuracy": correct / examples if self.classify else None,
+                  "examples": examples, "learning_rate": self._lr(),
+                  "step_time_s": seconds, "phases_s": phases}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm  # before clipping
+        self.sinks.write(record)
         self.emit(StepDone(self.step, self.total_steps, loss))
         if self.step % self.config.train.log_every == 0 or self.step == self.total_steps:
             self._log()
+        if self.config.train.eval_every and self.step % self.config.train.eval_every == 0:
+            self._evaluate_during()  # before a save at this step: it holds the new best
         every = self.config.checkpoint.every_steps
         if every and self.step % every == 0:
             self.save()
@@ -624,45 +693,89 @@ class Session:
         self.model.eval()
         try:
             for stats in batches:
-                for key in totals:
+                for key in ("loss", "examples", "correct"):
                     totals[key] += stats[key].item()
+                _add_metrics(totals, stats)
         finally:
             self.model.train()
         examples = int(totals["examples"])
+        self.eval_metrics = {name: value / examples
+                             for name, value in totals.get("metrics", {}).items()}
         return Evaluated(examples, totals["loss"] / examples,
                          totals["correct"] / examples if self.classify else None)
 
     def _eval_distributed(self, loader) -> Iterator[dict[str, torch.Tensor]]:
         """Each held-out batch's stats, distributed like training, summed over replicas."""
-        def eval_step(x, y):
-            with torch.no_grad():  # grad mode is per thread: set it in the replica
-                return self._eval_stats(x, y)
+        def eval_step(batch):
+            # grad mode and autocast are per thread: set them in the replica
+            with torch.no_grad(), self.precision.autocast(_device_type(batch)):
+                return self.objective.stats(self.forward_model, batch)
 
         with self.strategy.scope():
-            for x, y in self.strategy.experimental_distribute_dataset(loader):
-                yield self.strategy.reduce("SUM", self.strategy.run(eval_step, (x, y)),
+            for batch in self.strategy.experimental_distribute_dataset(loader):
+                yield self.strategy.reduce("SUM", self.strategy.run(eval_step, (batch,)),
                                            axis=None)
 
     def _eval_here(self, loader) -> Iterator[dict[str, torch.Tensor]]:
         """Each held-out batch's stats, on this process's copy of the parameters."""
         with torch.no_grad():
-            for x, y in loader:
-                yield self._eval_stats(x, y)
+            for batch in loader:
+                with self.precision.autocast(_device_type(batch)):
+                    yield self.objective.stats(self.forward_model, batch)
 
-    def _eval_stats(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Summed loss, example count and correct predictions of one held-out batch."""
-        output = self.model(x)
-        correct = (output.argmax(1) == y).sum() if self.classify else \
-            torch.zeros((), dtype=torch.int64)
-        return {"loss": self.loss_fn(output, y), "examples": torch.tensor(x.shape[0]),
-                "correct": correct}
+    def _evaluate_during(self) -> None:
+        """``train.eval_every``: evaluate, report (event, ``--metrics`` line, result), and
+        feed early stopping and the best checkpoint."""
+        evaluated = self.evaluate()
+        if evaluated is None:
+            return
+        evaluated.step, self._last_eval = self.step, evaluated
+        record = {"step": self.step, **self._eval_record(evaluated)}
+        self.evaluations.append(record)
+        self.sinks.write({"step": self.step, "epoch": self.epoch, "eval": record})
+        self.emit(evaluated)
+        if self.best is not None and self.best.update(self.step, self._watched(self.best,
+                                                                               record)):
+            self.manager.best_step = self.step  # set first: this save's pruning keeps it
+            self.save()
+        if self.stopper is not None:
+            self.stopper.update(self.step, self._watched(self.stopper, record))
+            if self.stopper.bad >= self.config.train.early_stopping.patience:
+                self.early_stopped = {"step": self.step, "metric": self.stopper.metric,
+                                      "best": self.stopper.best,
+                                      "best_step": self.stopper.best_step}
+                self.emit(Notice(f"early stopping at step {self.step}: "
+                                 f"{self.stopper.metric} has not improved for "
+                                 f"{self.stopper.bad} evaluations (best "
+                                 f"{self.stopper.best:.6g} at step "
+                                 f"{self.stopper.best_step})"))
+
+    def _eval_record(self, evaluated: Evaluated) -> dict[str, Any]:
+        record = {"eval_loss": evaluated.loss, "eval_examples": evaluated.examples}
+        if evaluated.accuracy is not None:
+            record["eval_accuracy"] = evaluated.accuracy
+        record |= {f"eval_{name}": value for name, value in self.eval_metrics.items()
+                   if name != "accuracy"}
+        return record
+
+    def _watched(self, watch: MetricWatch, record: dict[str, Any]) -> float:
+        if watch.metric not in record:
+            known = ", ".join(k for k in record if k not in ("step", "eval_examples"))
+            raise RunError(f"{watch.metric!r} is not an evaluated metric of this run; "
+                           f"evaluations report: {known}")
+        return float(record[watch.metric])
 
     def finish(self, status: str) -> RunResult:
-        """Evaluate (unless interrupted), write the plot, and assemble the result; the
-        role's part of the job ends here."""
-        evaluated = self.evaluate() if status == "completed" else None
-        if evaluated is not None:
-            self.emit(evaluated)
+        """Evaluate (unless interrupted), export, write the plot, and assemble the result;
+        the role's part of the job ends here."""
+        evaluated = None
+        if status == "completed":
+            last = self._last_eval  # evaluated at this very step already: the same numbers
+            evaluated = last if last is not None and last.step == self.step else \
+                self.evaluate()
+            if evaluated is not None and evaluated is not last:
+                self.emit(evaluated)
+        exported = self._export() if status == "completed" else None
         if self.outputs.plot:
             first = (self.resumed_from or 0) + 1
             write_plot(self.outputs.plot, self.losses, self.step_times, self.devices, first)
@@ -678,8 +791,30 @@ class Session:
                       "parameter_device": self.strategy.extended.parameter_device.short_name,
                       "distribute": self.config.dataset.distribute},
             checkpoint={"dir": self.config.checkpoint.dir, "last": self.saved_path,
-                        "last_step": self.saved_step, "resumed_from_step": self.resumed_from})
+                        "last_step": self.saved_step, "resumed_from_step": self.resumed_from,
+                        **self._best_checkpoint(), "export": exported},
+            evaluations=list(self.evaluations), early_stopped=self.early_stopped)
         return self.role.end(result, self.model)
+
+    def _best_checkpoint(self) -> dict[str, Any]:
+        if self.best is None or self.manager is None or self.best.best_step is None:
+            return {}
+        return {"best": str(self.manager.path_of(self.best.best_step)),
+                "best_step": self.best.best_step,
+                "best_metric": {self.best.metric: self.best.best}}
+
+    def _export(self) -> str | None:
+        """``checkpoint.export``: the final weights as ``<dir>/model.safetensors``."""
+        if self.config.checkpoint.export is None or not self.role.is_chief:
+            return None
+        path = pathlib.Path(self.config.checkpoint.dir) / "model.safetensors"
+        try:
+            export_safetensors(self.model, path)
+        except OSError as exc:
+            raise RunError(f"cannot export the final weights to {str(path)!r}: "
+                           f"{exc.strerror or exc}; {self.checkpoint_note()}") from None
+        self.emit(Notice(f"exported the final weights to {path}"))
+        return str(path)
 
     def _metrics(self, evaluated: Evaluated | None) -> dict[str, Any]:
         log = self.last_log
@@ -691,6 +826,7 @@ class Session:
         if evaluated is not None:
             metrics.update(eval_loss=evaluated.loss, eval_accuracy=evaluated.accuracy,
                            eval_examples=evaluated.examples)
+        metrics.update(_loss_fn_metrics(self.totals, self.eval_metrics))
         return metrics
 
     def _throughput(self) -> dict[str, float]:
@@ -713,6 +849,56 @@ class Session:
                 "slowest_replica": int(np.argmax(times)) if times else None,
                 "examples_max_over_min": max(examples) / min(examples) if min(examples) > 0
                 else None}
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile`` of the model for the replicas to call; checkpoints and exports
+    keep using ``model`` itself (its own ``state_dict`` keys)."""
+    return torch.compile(model)
+
+
+def _device_type(batch: Any) -> str:
+    """Where a replica's slice lives (``cpu``, ``cuda``): the autocast device."""
+    leaf = _first_leaf(batch)
+    return leaf.device.type if isinstance(leaf, torch.Tensor) else "cpu"
+
+
+def _sum_stats(runs: list[Sequence[dict]]) -> Sequence[dict]:
+    """Each replica's stats summed over the runs of an accumulated step (as floats)."""
+    if len(runs) == 1:
+        return runs[0]
+    summed = []
+    for replica in zip(*runs):
+        total: dict[str, Any] = {key: sum(float(s[key]) for s in replica)
+                                 for key in ("loss", "examples", "correct", "seconds")}
+        for stats in replica:
+            _add_metrics(total, stats)
+        summed.append(total)
+    return summed
+
+
+def _first_leaf(batch: Any) -> Any:
+    """The first tensor (or PerReplica) of a batch of any structure: it counts examples."""
+    while isinstance(batch, (tuple, list, dict)):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return batch
+
+
+def _add_metrics(totals: dict, stats: dict) -> None:
+    """Sum a loss function's metrics (``stats["metrics"]``) into ``totals["metrics"]``."""
+    sums = totals.setdefault("metrics", {})
+    for name, value in stats.get("metrics", {}).items():
+        sums[name] = sums.get(name, 0.0) + float(value)
+
+
+def _loss_fn_metrics(totals: "_Tally", evaluated: dict[str, float]) -> dict[str, float]:
+    """A loss function's metrics: ``train_<name>`` over every training example of the
+    run, ``eval_<name>`` over the held-out ones (``accuracy`` is reported as correct
+    predictions already)."""
+    examples = max(totals.examples, 1)
+    found = {f"train_{name}": value / examples for name, value in totals.metrics.items()}
+    found |= {f"eval_{name}": value for name, value in evaluated.items()}
+    return {key: value for key, value in found.items() if not key.endswith("_accuracy")}
 
 
 def _step_log_from(data: dict) -> StepLog:

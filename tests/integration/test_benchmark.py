@@ -35,3 +35,14 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert all(t["ci95"] is None and t["verdict"] == "too few rounds" for t in judged.values())
     assert len(result["engine_overhead_rounds_us"]["R2"]) == 2
     assert "target mlp csrun_R2 / plain >= 0.95" in done.stdout
+
+
+def test_runner_overhead_benchmark_runs(tmp_path):
+    """benchmarks/runner_overhead.py in a tiny mode, so that it cannot rot."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "runner_overhead.py"
+    spec = importlib.util.spec_from_file_location("runner_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--rounds", "1", "--steps", "3", "--json", str(tmp_path / "o.json")]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["median_ratio"] > 0

@@ -1,0 +1,130 @@
+"""What the runner adds per step over a hand-written library loop, for a user model.
+
+The same user model (an importable ``nn.Module``) on the same data is trained, in one
+process and interleaved round by round, by ``csrun.core.runner`` (a config with
+``model.kind: import``) and by a hand-written loop with ``CentralStorageStrategy``
+(``experimental_distribute_dataset`` -> ``run`` -> ``optimizer.step`` -> ``reduce``). Each
+side's per-step time is its training loop's wall time over its steps (the runner's setup,
+data generation and final evaluation excluded); the figure is the median over rounds of
+the paired ratio runner / library.
+
+    python benchmarks/runner_overhead.py                    # 9 rounds of 60 steps
+    python benchmarks/runner_overhead.py --rounds 3 --steps 20 --json /tmp/o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does (performance.md)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from csrun.core import CentralStorageStrategy  # noqa: E402
+from csrun.core.data.sources import load_source  # noqa: E402
+from csrun.core.runner.preflight import load_config_text  # noqa: E402
+from csrun.core.runner.train import train  # noqa: E402
+
+FEATURES, CLASSES, BATCH, EXAMPLES = 64, 10, 128, 4096
+DEVICES = ["CPU:0", "CPU:1"]
+
+
+class UserMLP(torch.nn.Module):
+    """The "user model": 64-256-256-10 ReLU."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+            torch.nn.ReLU(), torch.nn.Linear(width, CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+CONFIG = f"""\
+strategy: {{compute_devices: {DEVICES}}}
+dataset:
+  source: {{kind: synthetic, examples: {EXAMPLES}, features: {FEATURES}, classes: {CLASSES}}}
+  steps: [{{op: shuffle, buffer: {EXAMPLES}}}, {{op: batch, size: {BATCH}}}]
+model: {{kind: import, target: "runner_overhead:UserMLP", loss: cross_entropy}}
+optimizer: {{name: SGD, lr: 0.05}}
+train: {{steps: STEPS, log_every: 1000000}}
+"""
+
+
+def runner_step_s(steps: int) -> float:
+    result = train(load_config_text(CONFIG.replace("STEPS", str(steps)), None))
+    return result.throughput["wall_s"] / result.throughput["steps_this_session"]
+
+
+def library_step_s(steps: int, data) -> float:
+    """The hand-written loop of README's library tour, on the same model and data."""
+    torch.manual_seed(0)
+    strategy = CentralStorageStrategy(DEVICES, parameter_device="CPU:0")
+    with strategy.scope():
+        model = UserMLP()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    dataset = torch.utils.data.TensorDataset(data.features, data.targets)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True)
+
+    def step(x, y, global_batch):
+        loss = F.cross_entropy(model(x), y, reduction="sum") / global_batch
+        loss.backward()
+        return loss.detach()
+
+    done, begin = 0, time.perf_counter()
+    with strategy.scope():
+        while done < steps:
+            for x, y in strategy.experimental_distribute_dataset(loader):
+                sizes = [t.shape[0] for t in strategy.experimental_local_results(x)]
+                optimizer.zero_grad(set_to_none=True)
+                losses = strategy.run(step, args=(x, y, sum(sizes)))
+                optimizer.step()
+                float(strategy.reduce("SUM", losses, axis=None))
+                done += 1
+                if done == steps:
+                    break
+    return (time.perf_counter() - begin) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model's module
+    config = load_config_text(CONFIG.replace("STEPS", "1"), None)
+    data = load_source(config.dataset.source)
+    runner_step_s(5), library_step_s(5, data)  # warm up both paths
+    rows = []
+    for r in range(args.rounds):  # alternate which side goes first
+        pair = (runner_step_s, lambda s: library_step_s(s, data))
+        first, second = (pair if r % 2 == 0 else pair[::-1])
+        a, b = first(args.steps), second(args.steps)
+        runner, library = (a, b) if r % 2 == 0 else (b, a)
+        rows.append({"runner_ms": runner * 1e3, "library_ms": library * 1e3,
+                     "ratio": runner / library})
+        print(f"round {r}: runner {runner * 1e3:.2f} ms/step, library "
+              f"{library * 1e3:.2f} ms/step, ratio {runner / library:.3f}", flush=True)
+    ratios = sorted(row["ratio"] for row in rows)
+    summary = {"median_ratio": statistics.median(ratios), "min_ratio": ratios[0],
+               "max_ratio": ratios[-1], "rounds": rows, "steps": args.steps,
+               "replicas": len(DEVICES), "batch": BATCH, "torch": torch.__version__}
+    print(f"runner / library per step: median {summary['median_ratio']:.3f} "
+          f"(range {ratios[0]:.3f}..{ratios[-1]:.3f}, {args.rounds} rounds)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

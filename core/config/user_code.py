@@ -1,0 +1,80 @@
+"""Code a config names that the user wrote (datasets, collate and loss functions, models):
+making it importable, and saying where in it something failed.
+
+A failure in user code is reported with the config key that named the code and the
+``file:line`` of the last traceback frame in the user's own files, not a traceback (set
+``CSRUN_TRACEBACK=1`` for that).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import sysconfig
+import traceback
+
+from .problems import Problem
+
+__all__ = ["UserCodeError", "user_code_error", "ensure_cwd_importable", "user_location",
+           "describe_failure", "user_problem"]
+
+# csrun itself (core/ and cli/, not its examples), and what Python and its installed
+# packages bring (torch, numpy, ...)
+_CORE = pathlib.Path(__file__).resolve().parents[1]
+_NOT_USER = tuple(str(pathlib.Path(p).resolve()) for p in (
+    _CORE, _CORE.parent / "cli",
+    *{sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
+
+
+class UserCodeError(RuntimeError):
+    """User code failed during a run (exit code 1). The message starts with the config
+    key naming the code; the original exception is the ``__cause__``. (One plain message
+    argument: a DataLoader worker re-raises it by its type and message.)"""
+
+
+def user_code_error(field: str, what: str, exc: BaseException) -> UserCodeError:
+    """``raise user_code_error(...) from exc``: ``field: what failed: ... (at file:line)``."""
+    return UserCodeError(f"{field}: {describe_failure(what, exc)}")
+
+
+def ensure_cwd_importable() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m`` does (the
+    ``csrun`` script's own folder is there instead), so ``mypkg.mod:fn`` finds ./mypkg."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):  # <string>, <frozen ...>
+        return False
+    path = str(pathlib.Path(filename).resolve())
+    return not any(path == root or path.startswith(root + os.sep) for root in _NOT_USER)
+
+
+def user_location(exc: BaseException) -> str | None:
+    """``file:line`` of the last frame of ``exc``'s traceback in the user's files (paths
+    under the current folder shown relative to it), else None."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+    if not frames:
+        return None
+    path = pathlib.Path(frames[-1].filename)
+    try:
+        path = path.resolve().relative_to(pathlib.Path.cwd())
+    except ValueError:
+        pass
+    return f"{path}:{frames[-1].lineno}"
+
+
+def describe_failure(what: str, exc: BaseException) -> str:
+    """``"<what> failed: KeyError: 'x' (at pkg/data.py:12)"``."""
+    where = user_location(exc)
+    text = f"{what} failed: {type(exc).__name__}: {exc}"
+    return text + (f" (at {where})" if where else "")
+
+
+def user_problem(field: str, what: str, exc: BaseException, hint: str | None = None
+                 ) -> Problem:
+    """A config problem at ``field`` for user code that raised ``exc``."""
+    return Problem(field, describe_failure(what, exc), hint)

@@ -1,0 +1,107 @@
+"""Preflight of a model with its loss on the data: on the meta device (no memory, no
+time), or, when the meta device cannot run it (Python that needs real values, as in
+``if x.sum() > 0``), built on CPU and run on one real batch of 2 examples, with a
+:class:`~csrun.core.config.problems.ConfigNotice` that says so.
+
+Example::
+
+    problems = check_fit(config.model, data, sample)   # sample: a real batch of 2
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ..config.problems import ConfigError, ConfigNotice, Problem
+from ..config.user_code import UserCodeError, describe_failure
+from ..distribute.device_lib import memory_bytes
+from ..distribute.devices import resolve_device
+from ..distribute.values import map_structure
+from .models import build_model, check_model, model_bytes, resolve_loss
+from .objectives import NamedLoss, is_loss_function, make_objective
+
+__all__ = ["check_fit"]
+
+
+def check_fit(config, data, sample: Any) -> list[Problem]:
+    """Every problem of the ``model`` section with ``data`` (a built-in source or a user's
+    dataset) and ``sample``, a real batch of 2 examples as the replicas get them."""
+    if config.kind != "import" and not is_loss_function(config.loss):
+        if data.task is None:
+            return [Problem("model.kind", f"a built-in {config.kind} sizes itself from a "
+                            "built-in source; a dataset of your own needs your model",
+                            "use model.kind: import")]
+        return check_model(config, data.feature_shape, data.outputs, data.task)
+    if data.task is None and config.loss == "auto":
+        return [Problem("model.loss", "auto needs a built-in source to pick the loss",
+                        "name one (cross_entropy, mse, ...) for (x, y) batches, or give "
+                        "your own 'package.module:function'")]
+    if data.task is None and not is_loss_function(config.loss) and \
+            not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        return [Problem("model.loss", f"{config.loss} needs (x, y) batches; the dataset's "
+                        f"are a {type(sample).__name__}", "give your own loss function, "
+                        "'package.module:function' taking (model, batch)")]
+    if data.task is not None and not is_loss_function(config.loss):
+        loss = resolve_loss(config, data.task)
+        if (loss == "cross_entropy") != (data.task == "classification"):
+            return check_model(config, data.feature_shape, data.outputs, data.task)
+    try:
+        objective = make_objective(config, data.task)
+        with torch.device("meta"):
+            _run(build_model(config, data.feature_shape, data.outputs), objective,
+                 map_structure(_to_meta, sample), data.outputs)
+        return []
+    except ConfigError as exc:
+        return exc.problems
+    except UserCodeError as exc:
+        if exc.__cause__ is None:  # a wrong shape: as wrong on CPU
+            return [Problem("model.loss", str(exc).removeprefix("model.loss: "))]
+        reason = str(exc.__cause__)
+    except Exception as exc:  # noqa: BLE001 - a user's model may raise anything on meta
+        reason = f"{type(exc).__name__}: {exc}"
+    return _check_on_cpu(config, data, sample, reason)
+
+
+def _to_meta(leaf: Any) -> Any:
+    return leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _run(model: torch.nn.Module, objective, batch: Any, outputs: int | None) -> None:
+    """The objective on ``batch``; a named loss first checks the output's shape."""
+    if isinstance(objective, NamedLoss) and outputs is not None:
+        out = model(batch[0])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape[1:]) != (outputs,):
+            shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError([Problem("model", f"the model outputs {shape} for a batch of "
+                                       f"2; the data needs [2, {outputs}]", "set the model's"
+                                       " output size to the classes (or targets)")])
+    objective.stats(model, batch)
+
+
+def _check_on_cpu(config, data, sample: Any, reason: str) -> list[Problem]:
+    """Build on CPU and run ``sample`` (when the model fits in half the host's memory)."""
+    note = f"model: not checked on the meta device ({reason:.120})"
+    needed = model_bytes(config, data.feature_shape, data.outputs)
+    available = memory_bytes(resolve_device("CPU:0"))
+    if available is not None and needed > available // 2:
+        warnings.warn(ConfigNotice(f"{note}; too big to build on CPU for a check: only its "
+                                   "construction was checked"), stacklevel=2)
+        return []
+    try:
+        objective = make_objective(config, data.task)
+        model = build_model(config, data.feature_shape, data.outputs)
+        with torch.no_grad():
+            _run(model, objective, sample, data.outputs)
+    except ConfigError as exc:
+        return exc.problems
+    except UserCodeError as exc:
+        return [Problem("model.loss", str(exc).removeprefix("model.loss: "))]
+    except Exception as exc:  # noqa: BLE001
+        return [Problem("model", describe_failure("the model on a real batch of 2 "
+                                                  "examples", exc))]
+    warnings.warn(ConfigNotice(f"{note}; checked on CPU with one real batch of 2 examples "
+                               "instead"), stacklevel=2)
+    return []

@@ -1,0 +1,106 @@
+"""What each replica computes on its slice of a batch: the loss *summed* over its
+examples, the example count, correct predictions and metric sums; the runner divides by
+the global batch, so any number of replicas takes the same steps.
+
+Two kinds: a named loss (``cross_entropy``, ``mse``, ...) on ``(x, y)`` batches, or the
+user's ``model.loss: "package.module:function"``, called as ``fn(model, batch)`` on any
+batch structure and returning per-example losses ``[B]``, optionally with
+``{name: per-example metric [B]}``.
+
+Example::
+
+    objective = make_objective(config.model, task="classification")
+    stats = objective.stats(model, batch)       # {"loss": sum, "examples": B, ...}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config.targets import import_object
+from ..config.user_code import UserCodeError, user_code_error
+from ..distribute.values import flatten
+from .models import LOSSES, resolve_loss
+
+__all__ = ["NamedLoss", "LossFunction", "make_objective", "is_loss_function",
+           "batch_examples"]
+
+
+def is_loss_function(loss: str) -> bool:
+    """True for ``"package.module:function"`` (a named loss has no colon)."""
+    return ":" in loss
+
+
+def make_objective(config, task: str | None) -> "NamedLoss | LossFunction":
+    """The objective of the ``model`` section (``task`` resolves ``loss: auto``).
+
+    Raises:
+      ConfigError: the loss function does not import.
+    """
+    if is_loss_function(config.loss):
+        return LossFunction(config.loss)
+    name = resolve_loss(config, task or "classification")  # no task: auto was refused
+    return NamedLoss(name, name == "cross_entropy")
+
+
+def batch_examples(batch: Any) -> int:
+    """The examples of a batch: the first dimension of its first tensor."""
+    leaves = [leaf for leaf in flatten(batch) if isinstance(leaf, torch.Tensor)]
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 0
+
+
+class NamedLoss:
+    """A built-in loss of the model's output for ``x`` against ``y``."""
+
+    def __init__(self, name: str, classify: bool):
+        self.name, self.classify, self._fn = name, classify, LOSSES[name]
+
+    def stats(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        x, y = batch
+        output = model(x)
+        correct = (output.argmax(1) == y).sum() if self.classify else \
+            torch.zeros((), dtype=torch.int64)
+        return {"loss": self._fn(output, y), "examples": torch.tensor(x.shape[0]),
+                "correct": correct}
+
+
+class LossFunction:
+    """The user's ``fn(model, batch) -> losses [B]`` or ``(losses, {name: [B]})``; a
+    metric named ``accuracy`` (per example, 0 or 1) counts as correct predictions."""
+
+    def __init__(self, target: str):
+        self.name = target
+        self._fn = import_object(target, "model.loss")
+        self.classify = False  # until a call returns an accuracy metric
+
+    def stats(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        examples = batch_examples(batch)
+        try:
+            result = self._fn(model, batch)
+        except Exception as exc:  # noqa: BLE001 - the user's model or loss raised
+            raise user_code_error("model.loss", self.name, exc) from exc
+        losses, metrics = result if isinstance(result, tuple) and len(result) == 2 \
+            else (result, {})
+        _check_per_example(self.name, "losses", losses, examples)
+        if not isinstance(metrics, dict):
+            raise UserCodeError(f"model.loss: {self.name} returned {type(metrics).__name__}"
+                                " as its metrics; return (losses, {name: tensor [B]})")
+        for name, values in metrics.items():
+            _check_per_example(self.name, f"metric {name!r}", values, examples)
+        self.classify = self.classify or "accuracy" in metrics
+        correct = metrics["accuracy"].detach().sum() if "accuracy" in metrics else \
+            torch.zeros((), dtype=torch.int64)
+        return {"loss": losses.sum(), "examples": torch.tensor(examples), "correct": correct,
+                "metrics": {str(k): v.detach().sum().double() for k, v in metrics.items()}}
+
+
+def _check_per_example(target: str, what: str, value: Any, examples: int) -> None:
+    if isinstance(value, torch.Tensor) and tuple(value.shape) == (examples,):
+        return
+    shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    raise UserCodeError(
+        f"model.loss: {target} returned {what} of shape {shape} for a slice of {examples} "
+        f"examples; it must return one value per example, shape [{examples}] (a mean "
+        "loss, e.g. a Hugging Face model's, must be computed with reduction='none')")

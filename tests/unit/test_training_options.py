@@ -1,0 +1,225 @@
+"""The training options of issue 13: clipping, accumulation, precision, evaluation during
+training with early stopping and the best checkpoint, export, compile, and the config
+problems each can have."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+from csrun.core.config.problems import ConfigError
+from csrun.core.runner import session as session_module
+from csrun.core.runner.events import Evaluated
+from csrun.core.runner.export import export_safetensors
+from csrun.core.runner.preflight import load_config_text
+from csrun.core.runner.session import Outputs, Session
+from csrun.core.runner.train import train
+
+TINY = """\
+strategy: {compute_devices: [CPU:0, CPU:1]}
+dataset:
+  source: {kind: synthetic, examples: 120, features: 6, classes: 3}
+  holdout: 0.25
+  steps: [{op: shuffle, buffer: 200}, {op: batch, size: 16}]
+model: {kind: mlp, hidden: [8]}
+optimizer: {name: SGD, lr: 0.1}
+train: {steps: 12, log_every: 6}
+"""
+
+# A linear regression without shuffling: a big batch and accumulated small ones see the
+# same examples in the same order.
+LINEAR = """\
+strategy: {compute_devices: [CPU:0, CPU:1]}
+dataset:
+  source: {kind: synthetic, task: regression, examples: 100, features: 5}
+  steps: [{op: batch, size: 32}]
+model: {kind: linear}
+optimizer: {name: SGD, lr: 0.05}
+train: {epochs: 2}
+"""
+
+
+def config(*overrides, text=TINY):
+    return load_config_text(text, None, list(overrides))
+
+
+def fitted(*overrides, text=TINY, emit=None):
+    """A session trained to its end (its model inspectable)."""
+    session = Session(config(*overrides, text=text), Outputs(), emit or (lambda e: None))
+    session.fit(threading.Event())
+    return session
+
+
+def problems(*overrides, text=TINY):
+    with pytest.raises(ConfigError) as caught:
+        config(*overrides, text=text)
+    return {p.path: p for p in caught.value.problems}
+
+
+# -- clipping ---------------------------------------------------------------------------
+def test_grad_clip_norm_bounds_each_update_and_reports_the_norm(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    clip, lr = 1e-3, 0.1
+    first = Session(config("train.grad_clip_norm=0.001", "train.steps=3"),
+                    Outputs(metrics=str(metrics)), lambda e: None)
+    start = torch.cat([p.detach().flatten().clone() for p in first.model.parameters()])
+    first.fit(threading.Event())
+    first.close()
+    end = torch.cat([p.detach().flatten() for p in first.model.parameters()])
+    # plain SGD moves at most lr * clip per step
+    assert float((end - start).norm()) <= 3 * lr * clip * (1 + 1e-4)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(lines) == 3 and all(line["grad_norm"] > clip for line in lines)
+
+
+def test_no_grad_norm_without_clipping(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    train(config("train.steps=2"), outputs=Outputs(metrics=str(metrics)))
+    assert all("grad_norm" not in json.loads(line) for line in
+               metrics.read_text().splitlines())
+
+
+# -- accumulation -----------------------------------------------------------------------
+def test_accumulated_small_batches_take_the_big_batch_steps():
+    big = fitted(text=LINEAR)
+    small = fitted("dataset.steps.0.size=8", "train.accumulate_steps=4", text=LINEAR)
+    # 100 examples: big batches 32,32,32,4; small ones 12 x 8 + 4, the last step's alone
+    assert big.step == small.step == 8 and small.steps_per_epoch == 4
+    assert small.totals.examples == big.totals.examples == 200
+    for a, b in zip(big.model.parameters(), small.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert small.losses == pytest.approx(big.losses, rel=1e-5)
+
+
+def test_train_steps_counts_optimizer_steps():
+    session = fitted("dataset.steps.0.size=8", "train.accumulate_steps=3", "train.epochs=null",
+                     "train.steps=6", text=LINEAR)
+    # 13 batches a pass (12 x 8 + 4): steps of 3, 3, 3, 3, then the 1 left, then 3
+    assert session.step == 6 and session.totals.examples == 100 + 3 * 8
+    assert session.steps_per_epoch == 5
+
+
+# -- precision --------------------------------------------------------------------------
+def test_bf16_on_cpu_trains_close_to_fp32():
+    fp32 = train(config("train.steps=30"))
+    bf16 = train(config("train.steps=30", "train.precision=bf16"))
+    assert bf16.final_loss < bf16.losses[0]
+    assert bf16.final_loss == pytest.approx(fp32.final_loss, rel=0.1, abs=0.05)
+    assert bf16.metrics["eval_loss"] == pytest.approx(fp32.metrics["eval_loss"], rel=0.1)
+
+
+def test_fp16_on_cpu_is_a_config_problem():
+    found = problems("train.precision=fp16")
+    assert "GPU" in found["train.precision"].message
+    assert "bf16" in found["train.precision"].hint
+
+
+# -- evaluation, early stopping, best checkpoint -----------------------------------------
+def test_eval_every_reports_each_evaluation(tmp_path):
+    metrics, events = tmp_path / "m.jsonl", []
+    result = train(config("train.eval_every=4"), outputs=Outputs(metrics=str(metrics)),
+                   on_event=events.append)
+    assert [e["step"] for e in result.evaluations] == [4, 8, 12]
+    assert set(result.evaluations[0]) >= {"eval_loss", "eval_accuracy", "eval_examples"}
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evals = [line for line in lines if "eval" in line]
+    assert [line["step"] for line in evals] == [4, 8, 12]
+    assert evals[-1]["eval"]["eval_loss"] == result.metrics["eval_loss"]  # not evaluated twice
+    assert [e.step for e in events if isinstance(e, Evaluated)] == [4, 8, 12]
+
+
+def test_early_stopping_stops_after_patience():
+    # min_delta larger than any change: nothing after the first evaluation improves
+    result = train(config("train.eval_every=2", "train.steps=100",
+                          "train.early_stopping={metric: eval_loss, patience: 2, "
+                          "min_delta: 100}"))
+    assert result.status == "completed" and result.steps == 6
+    assert result.early_stopped == {"step": 6, "metric": "eval_loss",
+                                    "best": result.evaluations[0]["eval_loss"],
+                                    "best_step": 2}
+
+
+def test_keep_best_survives_rotation_and_resume(tmp_path):
+    # the worst loss is the best "max": the first evaluation's, long rotated out by keep 1
+    common = (f"checkpoint.dir={tmp_path}", "checkpoint.every_steps=1", "checkpoint.keep=1",
+              "train.eval_every=3", "checkpoint.keep_best={metric: eval_loss, mode: max}")
+    first = train(config(*common, "train.steps=9"))
+    best = first.checkpoint["best"]
+    assert first.checkpoint["best_step"] == 3 and best.endswith("ckpt-00000003.pt")
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
+    assert names == ["ckpt-00000003.pt", "ckpt-00000009.pt"]
+    resumed = train(config(*common, "train.steps=12"), resume=True)
+    assert resumed.checkpoint["best"] == best
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == \
+        ["ckpt-00000003.pt", "ckpt-00000012.pt"]
+    assert [e["step"] for e in resumed.evaluations] == [3, 6, 9, 12]
+
+
+def test_evaluation_needs_what_it_uses():
+    found = problems("train.early_stopping={metric: loss}", "checkpoint.keep_best={}",
+                     "checkpoint.export=safetensors")
+    assert "eval_every" in found["train.early_stopping"].hint
+    assert "train.early_stopping.metric" in found
+    assert "checkpoint.dir" in found["checkpoint.keep_best"].message
+    assert "checkpoint.dir" in found["checkpoint.export"].message
+    assert "holdout" in problems("train.eval_every=2", "dataset.holdout=0")[
+        "train.eval_every"].message
+
+
+def test_a_parameter_server_job_refuses_what_it_cannot_do():
+    text = TINY.replace("strategy: {compute_devices: [CPU:0, CPU:1]}", """\
+strategy:
+  kind: parameter_server
+  cluster: {worker: ["localhost:2223"], ps: ["localhost:2222"]}
+  task: {type: worker, index: 0}""")
+    found = problems("train.grad_clip_norm=1", "train.accumulate_steps=2",
+                     "train.precision=bf16", text=text)
+    for field in ("train.grad_clip_norm", "train.accumulate_steps", "train.precision"):
+        assert "parameter_server" in found[field].message
+
+
+# -- export ------------------------------------------------------------------------------
+def test_export_loads_with_safetensors_alone(tmp_path):
+    from safetensors.torch import load_file
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model.eval()
+    path = export_safetensors(model, tmp_path / "model.safetensors")
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).eval()
+    tensors = load_file(str(path))
+    assert set(tensors) == set(model.state_dict())
+    fresh.load_state_dict(tensors)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(fresh(x), model(x))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temp left
+
+
+def test_a_run_exports_its_final_weights(tmp_path):
+    result = train(config(f"checkpoint.dir={tmp_path}", "checkpoint.export=safetensors"))
+    assert result.checkpoint["export"] == str(tmp_path / "model.safetensors")
+
+
+# -- compile -----------------------------------------------------------------------------
+def test_compile_trains_like_eager(monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+    monkeypatch.setattr(session_module, "_compiled",
+                        lambda model: torch.compile(model, backend=counter))
+    torch._dynamo.reset()
+    compiled = fitted("train.compile=true", "train.steps=4")
+    eager = fitted("train.steps=4")
+    assert counter.frame_count >= 1  # the replicas called the compiled model
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+
+
+@pytest.mark.xfail(reason="the engine's per-run parameter serving (a thread-local map "
+                   "keyed by parameter id) fails dynamo's guards, so every run recompiles; "
+                   "being fixed in the engine", strict=False)
+def test_compile_does_not_recompile_per_step(monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+    monkeypatch.setattr(session_module, "_compiled",
+                        lambda model: torch.compile(model, backend=counter))
+    torch._dynamo.reset()
+    fitted("train.compile=true", "train.steps=6", "dataset.steps.1.drop_remainder=true")
+    assert counter.frame_count <= 2  # one graph per replica at most, not one per step
