@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from .context import current_entry, get_replica_context
+from .context import current_entry
 from .reduce import ReduceOp, as_tensor
+from .strategy import get_replica_context
 
 __all__ = ["compute_average_loss"]
 
@@ -85,5 +86,5 @@ def _current_global_batch_size(local: int) -> int:
                            "in cross-replica context pass global_batch_size")
     replica = get_replica_context()
     count = replica.all_reduce(ReduceOp.SUM, torch.tensor(local, dtype=torch.int64))
-    workers = replica.num_replicas_in_sync // max(len(replica.strategy.extended.worker_devices), 1)
+    workers = replica.num_replicas_in_sync // replica.strategy.extended.num_local_replicas
     return int(count) * max(workers, 1)
