@@ -70,6 +70,8 @@ class ServedDict(dict):
         serving = context.current_serving()
         if serving is None or value is None or serving.store is not self.store:
             return value
+        if torch.compiler.is_compiling():
+            return _compiled_read(serving, self, name, value)
         return serving.serve(self, name, value)
 
     def get(self, name, default=None):
@@ -101,6 +103,27 @@ class ServedDict(dict):
         module = self.module()
         label = type(module).__name__ if module is not None else "module"
         return f"{label}.{name}"
+
+
+def _compiled_read(serving: "ReplicaServing", owner: ServedDict, name: str, value):
+    """A read that ``torch.compile`` traces. Tracing :meth:`ReplicaServing.serve` made
+    its per-run state guards that failed on every run; this reads the store's stable
+    per-replica leaves (guarded by replica id: one graph per replica), which
+    :meth:`ParameterStore.begin_run` brings up to date once a compiled read was seen."""
+    if owner.kind == "parameter":
+        leaf = serving.store.compiled_leaves[serving.replica_id].get(id(value))
+        if leaf is not None:
+            return leaf
+    return _serve_outside_graph(serving, owner, name, value)
+
+
+@torch._dynamo.disable
+def _serve_outside_graph(serving: "ReplicaServing", owner: ServedDict, name: str, value):
+    """Serve eagerly (a graph break): buffers, and a parameter's first compiled read."""
+    served = serving.serve(owner, name, value)
+    if owner.kind == "parameter":
+        serving.store.compiled_leaves[serving.replica_id][id(value)] = served
+    return served
 
 
 # -- aggregation of buffers -------------------------------------------------------------
@@ -188,6 +211,9 @@ class ParameterStore:
         self._running = False
         self._queued_task = None  # the backward whose end already flushes
         self._grad_hook = _leaf_grad_hook(weakref.ref(self))  # weak: leaves live in self
+        # id(central) -> this run's leaf, per replica: what compiled code reads (filled
+        # by the first compiled read, then renewed by every begin_run)
+        self.compiled_leaves: list[dict] = [{} for _ in self.compute_devices]
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -254,7 +280,19 @@ class ParameterStore:
     def begin_run(self) -> list["ReplicaServing"]:
         self.flush_pending()
         self._running = True
-        return [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        if any(self.compiled_leaves):
+            self._serve_compiled(servings)
+        return servings
+
+    def _serve_compiled(self, servings: list["ReplicaServing"]) -> None:
+        """Serve every tracked tensor now, as a read would (mirrors refreshed, leaves
+        remade where the central tensor changed): compiled code reads them from
+        :attr:`compiled_leaves` without running :meth:`ReplicaServing.serve`."""
+        tensors = self.tensors()
+        for serving, leaves in zip(servings, self.compiled_leaves):
+            for central in tensors:
+                leaves[id(central)] = serving._leaf(central)
 
     def finish_run(self, servings: list["ReplicaServing"]) -> None:
         """Sum the replicas' gradients into the central ones; combine written buffers."""
@@ -393,6 +431,8 @@ class ParameterStore:
         self._followed.discard(key)
         for cache in self._aliases:
             cache.pop(key, None)
+        for leaves in self.compiled_leaves:
+            leaves.pop(key, None)
         with self._lock:
             self._order.pop(key, None)
 
