@@ -99,6 +99,8 @@ def _on_cpu(args: tuple, kwargs: dict) -> bool:
     if isinstance(out, torch.Tensor):
         return out.is_cpu
     tensor = _first_tensor(args)
+    if tensor is None:  # e.g. torch.normal(mean=..., std=...)
+        tensor = _first_tensor(tuple(kwargs.values()))
     return tensor.is_cpu if tensor is not None else _is_cpu(None)
 
 
@@ -231,7 +233,8 @@ class ReplicaRandom(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.diagnose:
+        # not while dynamo traces: the state checks would break its graphs into fragments
+        if self.diagnose and not torch.compiler.is_compiling():
             return self._watched(func, args, kwargs)
         return self._call(func, args, kwargs)
 
