@@ -420,6 +420,11 @@ class ExecutionPolicy:
       run, so dropout repeats bit for bit, ordered or not. Ops that still draw from the
       global generator are watched for: the probe runs name the op; replicas that draw
       there run in order for good, with a warning.
+    * The streams are a torch function mode, which every torch call inside a replica
+      passes through (a few µs each): the first run shows whether the replicas draw at
+      all, and a model that does not stops paying for it. If one starts drawing later
+      (``model.train()`` after an evaluation), the watch sees the global generator move;
+      the streams come back and the probe decides again.
     """
 
     CONCURRENT_FROM = 250e-6  # seconds of work per replica
@@ -434,6 +439,8 @@ class ExecutionPolicy:
         self._work = None    # moving average of seconds per replica body
         self._split = None   # (caller's threads, each replica's share)
         self._random = None  # each CPU replica's own random stream
+        self._armed = True   # streams entered; off once a run shows the replicas never draw
+        self._trial = True   # the next finished run decides whether they draw
         if len(self._cpu) > 1:
             self._seed = RunSeed()
             self._random = [ReplicaRandom(i, self._seed) if i in self._cpu else None
@@ -467,7 +474,9 @@ class ExecutionPolicy:
         streams = self._random
         if streams is None:
             return None
-        self._seed.reset()
+        self._seed.reset()  # also when disarmed: the watch compares against its last draw
+        if not self._armed:
+            return None
         diagnose = self.state == "probe"  # ordered and watched: name any global draw
         for stream in streams:
             if stream is not None:
@@ -478,7 +487,10 @@ class ExecutionPolicy:
         """A snapshot of the CPU generator when this run could change the decision: the
         probe, concurrent runs, and ordered runs whose work nears the threshold (so a
         switch to concurrent always follows a watched run that drew nothing). Quick
-        replicas are not watched: the snapshot costs more than their whole run."""
+        replicas are not watched: the snapshot costs more than their whole run. Disarmed
+        streams watch every run, in every mode: does the model start drawing?"""
+        if self._random is not None and not self._armed:
+            return global_state()
         if not self._shared_cpu or self._draws:
             return None
         if self.state == "ordered" and (self._work or 0.0) < self.CONCURRENT_FROM / 2:
@@ -487,6 +499,8 @@ class ExecutionPolicy:
         return global_state()
 
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
+        if self._random is not None and self._settle_streams(snapshot):
+            return
         if not self._shared_cpu:
             return
         if snapshot is not None and self._seed.moved(snapshot):
@@ -504,6 +518,28 @@ class ExecutionPolicy:
                 self.state = "concurrent"
         elif self._work < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"
+
+    def _settle_streams(self, snapshot: bytes | None) -> bool:
+        """Streams off after a first run whose replicas drew nothing; back on when a
+        disarmed run moved the global generator (True: this run is dealt with)."""
+        if self._trial:
+            self._trial = False
+            self._armed = any(s.seeded for s in self._random if s is not None)
+            return False
+        if self._armed or snapshot is None or global_state() == snapshot:
+            return False
+        self._rearm(self.state == "concurrent")
+        return True
+
+    def _rearm(self, interleaved: bool) -> None:
+        self._armed = True
+        if self._shared_cpu:
+            self.state = "probe"  # ordered and diagnosing: is a covered op the one?
+        if interleaved:
+            warnings.warn("replicas started drawing random numbers while running "
+                          "concurrently, so this step's draws interleaved in no fixed "
+                          "order; from the next step on each replica draws from its own "
+                          "generator", RuntimeWarning, stacklevel=5)
 
     def _drew(self, interleaved: bool) -> None:
         """Replicas drew from the global generator: in order from now on, with a warning

@@ -142,3 +142,50 @@ def test_a_draw_the_replicas_streams_do_not_cover_falls_back_naming_the_op():
     # a torch.ops overload without a generator argument is named
     with pytest.warns(RuntimeWarning, match="aten.rand.default"):
         strategy.run(lambda: torch.ops.aten.rand.default([2]))
+
+
+def _mode_calls(strategy, steps):
+    """How many torch calls went through a replica's random-stream mode, per run."""
+    calls = []
+    original = ReplicaRandom.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls[-1] += 1
+        return original(self, func, types, args, kwargs)
+    x = torch.randn(8, 4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ReplicaRandom, "__torch_function__", counting)
+        for step in steps:
+            calls.append(0)
+            strategy.run(step, args=(x,))
+    return calls
+
+
+def test_a_model_that_never_draws_stops_paying_for_the_streams():
+    """The mode taxes every torch call in a replica; a model without randomness keeps
+    it for the first run only."""
+    calls = _mode_calls(_strategy(2), [lambda x: torch.relu(x).sum()] * 4)
+    assert calls[0] > 0 and calls[1:] == [0, 0, 0]
+    drawing = _mode_calls(_strategy(2), [lambda x: F.dropout(x, 0.5).sum()] * 3)
+    assert all(c > 0 for c in drawing)
+
+
+@pytest.mark.parametrize("execution", ["auto", "ordered", "concurrent"])
+def test_a_model_that_starts_drawing_later_gets_its_streams_back(execution):
+    """model.train() after an evaluation: the draws must not stay on the global generator
+    (interleaved at random when concurrent); from the step after the first draw on, each
+    replica draws from its own stream again, and the results repeat."""
+    steps = [lambda x: x.sum()] * 2 + [lambda x: F.dropout(x, 0.5)] * 4
+
+    def outputs():
+        strategy = _strategy(2, execution=execution)
+        torch.manual_seed(3)
+        x = torch.ones(64, 512)  # long enough to run concurrently under auto
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return [strategy.run(s, args=(x,)) for s in steps][3:]
+    first, again = outputs(), outputs()
+    for a, b in zip(first, again):
+        assert all(torch.equal(u, v) for u, v in zip(a.values, b.values))
+    calls = _mode_calls(_strategy(2, execution=execution), steps)
+    assert calls[1] == 0 and calls[2] == 0 and all(c > 0 for c in calls[3:])
