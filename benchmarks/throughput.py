@@ -47,6 +47,9 @@ MODELS = {
     "convnet": dict(shape=(1, 28, 28), classes=10, batch=128),
     # Not run by default: 162 small parameters, where per-parameter costs show
     "deep": dict(shape=(64,), classes=10, batch=128),
+    # Not run by default: the MLP with dropout 0.2 after each hidden layer (every replica
+    # draws from its own generator)
+    "mlp_dropout": dict(shape=(784,), classes=10, batch=256),
 }
 DEFAULT_MODELS = ["mlp", "convnet"]
 
@@ -55,6 +58,9 @@ def build(name: str) -> nn.Module:
     if name == "mlp":  # 784-512-512-10: about 4 MFLOP per example for forward+backward
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                              nn.Linear(512, 10))
+    if name == "mlp_dropout":
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.2), nn.Linear(512, 10))
     if name == "deep":  # 40 x (Linear 64-64, LayerNorm, ReLU) + a head: 162 parameters
         blocks = [m for _ in range(40) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU())]
         return nn.Sequential(*blocks, nn.Linear(64, 10))

@@ -33,7 +33,7 @@ from .distribute import (
     DistributedIterator, TensorSpec, PerReplicaSpec, TensorSliceDataset, Variable,
     VariableAggregation, VariableSynchronization, set_aggregation, get_aggregation,
     ReplicaAborted, DeviceError, LogicalDevice, canonical_name, local_devices,
-    logical_cpu_count, set_logical_cpu_count,
+    logical_cpu_count, set_logical_cpu_count, compute_average_loss,
 )
 
 __all__ = [
@@ -80,4 +80,5 @@ __all__ = [
     "local_devices",
     "logical_cpu_count",
     "set_logical_cpu_count",
+    "compute_average_loss",
 ]

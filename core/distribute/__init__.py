@@ -9,6 +9,7 @@ from .context import (ReplicaContext, get_cross_replica_context, has_strategy,
                       in_cross_replica_context)
 from .devices import (DeviceError, LogicalDevice, canonical_name, local_devices,
                       logical_cpu_count, set_logical_cpu_count)
+from .losses import compute_average_loss
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator,
                     InputContext, InputOptions, InputReplicationMode, PerReplicaSpec,
                     TensorSliceDataset, TensorSpec, ValueContext)
@@ -22,6 +23,7 @@ from .variables import Variable, VariableAggregation, VariableSynchronization
 
 
 __all__ = [
+    "compute_average_loss",
     "CentralStorageStrategy",
     "ParameterServerStrategyExtended",
     "Strategy",

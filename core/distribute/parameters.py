@@ -18,7 +18,9 @@ that replica's *leaf* for the central parameter:
 the parameter device (one coalesced copy per replica device) and added to the central
 ``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
-collected before the next ``optimizer.step()`` or ``run``. Alias leaves hold the central
+collected when that backward ends (a hook on each leaf queues one callback per backward
+with the autograd engine, as DDP does), so ``clip_grad_norm_`` and ``GradScaler.unscale_``
+see them; before ``optimizer.step()`` and each ``run`` as well. Alias leaves hold the central
 tensors weakly: a model deleted by the user is freed, not kept by its replicas (device
 mirrors, for copies, still keep theirs: see :meth:`ParameterStore.forget`).
 
@@ -68,6 +70,8 @@ class ServedDict(dict):
         serving = context.current_serving()
         if serving is None or value is None or serving.store is not self.store:
             return value
+        if torch.compiler.is_compiling():
+            return _compiled_read(serving, self, name, value)
         return serving.serve(self, name, value)
 
     def get(self, name, default=None):
@@ -99,6 +103,27 @@ class ServedDict(dict):
         module = self.module()
         label = type(module).__name__ if module is not None else "module"
         return f"{label}.{name}"
+
+
+def _compiled_read(serving: "ReplicaServing", owner: ServedDict, name: str, value):
+    """A read that ``torch.compile`` traces. Tracing :meth:`ReplicaServing.serve` made
+    its per-run state guards that failed on every run; this reads the store's stable
+    per-replica leaves (guarded by replica id: one graph per replica), which
+    :meth:`ParameterStore.begin_run` brings up to date once a compiled read was seen."""
+    if owner.kind == "parameter":
+        leaf = serving.store.compiled_leaves[serving.replica_id].get(id(value))
+        if leaf is not None:
+            return leaf
+    return _serve_outside_graph(serving, owner, name, value)
+
+
+@torch._dynamo.disable
+def _serve_outside_graph(serving: "ReplicaServing", owner: ServedDict, name: str, value):
+    """Serve eagerly (a graph break): buffers, and a parameter's first compiled read."""
+    served = serving.serve(owner, name, value)
+    if owner.kind == "parameter":
+        serving.store.compiled_leaves[serving.replica_id][id(value)] = served
+    return served
 
 
 # -- aggregation of buffers -------------------------------------------------------------
@@ -181,6 +206,14 @@ class ParameterStore:
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
         self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
+        # In a run, finish_run collects the leaves' gradients; outside one, the leaves'
+        # hook has them collected at the end of the backward that made them.
+        self._running = False
+        self._queued_task = None  # the backward whose end already flushes
+        self._grad_hook = _leaf_grad_hook(weakref.ref(self))  # weak: leaves live in self
+        # id(central) -> this run's leaf, per replica: what compiled code reads (filled
+        # by the first compiled read, then renewed by every begin_run)
+        self.compiled_leaves: list[dict] = [{} for _ in self.compute_devices]
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -246,7 +279,20 @@ class ParameterStore:
     # -- runs ----------------------------------------------------------------------------
     def begin_run(self) -> list["ReplicaServing"]:
         self.flush_pending()
-        return [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        self._running = True
+        servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        if any(self.compiled_leaves):
+            self._serve_compiled(servings)
+        return servings
+
+    def _serve_compiled(self, servings: list["ReplicaServing"]) -> None:
+        """Serve every tracked tensor now, as a read would (mirrors refreshed, leaves
+        remade where the central tensor changed): compiled code reads them from
+        :attr:`compiled_leaves` without running :meth:`ReplicaServing.serve`."""
+        tensors = self.tensors()
+        for serving, leaves in zip(servings, self.compiled_leaves):
+            for central in tensors:
+                leaves[id(central)] = serving._leaf(central)
 
     def finish_run(self, servings: list["ReplicaServing"]) -> None:
         """Sum the replicas' gradients into the central ones; combine written buffers."""
@@ -254,11 +300,13 @@ class ParameterStore:
             if serving.buffers:
                 self._aggregate_buffers(servings)
                 break
+        self._running = False
         self.flush_pending()
 
     def discard_run(self, servings: list["ReplicaServing"]) -> None:
         """Forget what a failed run's replicas produced (earlier runs' leaves stay
         watched: their outputs may still be backpropagated)."""
+        self._running = False
         for serving in servings:
             serving.clear_grads()
 
@@ -272,13 +320,28 @@ class ParameterStore:
         """
         if not (any(self._aliases) or any(self._mirrors)):  # no leaves (yet), or direct
             return
-        started = [self._start_leaf_grads(r) for r in range(len(self.compute_devices))]
-        if not any(started):  # nothing new since the last flush: the usual re-check
-            return
-        with torch.no_grad():
-            for replica_id, transfers in enumerate(started):
-                if transfers:
-                    accumulate(*self._finish_leaf_grads(replica_id, transfers))
+        # locked: a backward's callback may flush on an autograd thread, and two flushes
+        # taking the same leaf gradient would add it twice
+        with self._lock:
+            started = [self._start_leaf_grads(r) for r in range(len(self.compute_devices))]
+            if not any(started):  # nothing new since the last flush: the usual re-check
+                return
+            with torch.no_grad():
+                for replica_id, transfers in enumerate(started):
+                    if transfers:
+                        accumulate(*self._finish_leaf_grads(replica_id, transfers))
+
+    def flush_after_backward(self) -> None:
+        """A leaf got a gradient outside a run: flush when the current backward ends
+        (once per backward, however many leaves it reaches)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_task:
+            self._queued_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_queued)
+
+    def _flush_queued(self) -> None:
+        self._queued_task = None
+        self.flush_pending()
 
     def _start_leaf_grads(self, replica_id: int) -> list:
         if self.copies[replica_id]:
@@ -345,6 +408,8 @@ class ParameterStore:
                     and leaf.requires_grad == central.requires_grad):
                 return leaf
         leaf = central.detach().requires_grad_(central.requires_grad)
+        if leaf.requires_grad:
+            leaf.register_post_accumulate_grad_hook(self._grad_hook)
         cache[id(central)] = (weakref.ref(central), leaf)
         self._follow(central)
         return leaf
@@ -352,7 +417,8 @@ class ParameterStore:
     def mirror(self, replica_id: int) -> DeviceMirror:
         mirror = self._mirrors[replica_id]
         if mirror is None:
-            mirror = DeviceMirror(self.compute_devices[replica_id].torch_device, self._torch_param)
+            mirror = DeviceMirror(self.compute_devices[replica_id].torch_device,
+                                  self._torch_param, self._grad_hook)
             self._mirrors[replica_id] = mirror
         return mirror
 
@@ -365,6 +431,8 @@ class ParameterStore:
         self._followed.discard(key)
         for cache in self._aliases:
             cache.pop(key, None)
+        for leaves in self.compiled_leaves:
+            leaves.pop(key, None)
         with self._lock:
             self._order.pop(key, None)
 
@@ -491,6 +559,15 @@ class ReplicaServing:
             return
         for _, leaf in self.params.values():
             leaf.grad = None
+
+
+def _leaf_grad_hook(store_ref: "weakref.ref[ParameterStore]"):
+    """The post-accumulate-grad hook of a store's replica leaves."""
+    def hook(leaf: torch.Tensor) -> None:
+        store = store_ref()
+        if store is not None and not store._running:  # in a run, finish_run collects
+            store.flush_after_backward()
+    return hook
 
 
 def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:

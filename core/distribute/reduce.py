@@ -8,7 +8,10 @@ the arithmetic, with TF's rules:
   number of replicas.
 * ``axis=k`` also sums along ``k`` inside each replica; MEAN divides by the true number of
   elements along ``k`` over all replicas (so partial batches weigh right).
-* MEAN of integers gives float64, as TF does.
+* MEAN of integers gives float64, as TF does; SUM keeps the input's dtype on every axis
+  (int32 stays int32, uint8 wraps as TF's does).
+* Booleans are refused, as TF refuses them: adding them would be a logical OR, so SUM and
+  MEAN would be wrong without a word.
 """
 
 from __future__ import annotations
@@ -103,6 +106,20 @@ def _check_axis(tensor: torch.Tensor, axis: int, replica: int) -> int:
     return axis % rank
 
 
+def _refuse_booleans(tensors: Sequence[torch.Tensor]) -> None:
+    if any([t.dtype is torch.bool for t in tensors]):
+        raise TypeError("cannot reduce booleans across replicas (TF refuses them too): a sum "
+                        "of booleans would be a logical OR; cast first, e.g. x.int() to "
+                        "count or x.float() for a fraction")
+
+
+def _sum_along(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    # torch promotes integer sums to int64; TF keeps the dtype (and so does axis=None here)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return tensor.sum(dim=dim)
+    return tensor.sum(dim=dim, dtype=tensor.dtype)
+
+
 def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     total = tensors[0]
     for t in tensors[1:]:
@@ -116,6 +133,7 @@ def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
     # inlined for the usual case, CPU tensors reduced onto the CPU (a step's hot path)
     tensors = [v if device is _CPU and type(v) is torch.Tensor and v.is_cpu
                else _to(as_tensor(v), device) for v in values]
+    _refuse_booleans(tensors)
     if axis is None:
         shape = tensors[0].shape
         if not all([t.shape == shape for t in tensors[1:]]):  # a list: cheaper than a generator
@@ -129,7 +147,7 @@ def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
             return total.to(_mean_dtype(total.dtype)) / len(tensors)
         return total
     dims = [_check_axis(t, axis, i) for i, t in enumerate(tensors)]
-    partial = [t.sum(dim=d) for t, d in zip(tensors, dims)]
+    partial = [_sum_along(t, d) for t, d in zip(tensors, dims)]
     total = _sum_in_order(partial)
     if op is ReduceOp.MEAN:
         count = sum(t.shape[d] for t, d in zip(tensors, dims))

@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .replica_random import ReplicaRandom, RunSeed, global_state
+
 __all__ = ["ReplicaRun", "ReplicaExecutor", "ReplicaAborted", "ExecutionPolicy"]
 
 _FINAL = frozenset({"done", "failed", "aborted", "skipped"})
@@ -89,6 +91,13 @@ class _ThreadState:
 _PLAIN_STATES = {(g, i): _ThreadState(g, i) for g in (False, True) for i in (False, True)}
 
 
+def _with_mode(mode, body: Callable) -> Callable:
+    def entered(run, replica_id):
+        with mode:
+            return body(run, replica_id)
+    return entered
+
+
 def _run_has_returned(run: "ReplicaRun"):
     raise RuntimeError(
         "this replica context belongs to a strategy.run that has returned; call "
@@ -108,6 +117,8 @@ class ReplicaRun:
       servings: each replica's parameter view (collectives refresh them after a merge).
       make_collectives: ``make_collectives(run)``, the run's Collectives, called on first
         use; None for a run without collectives.
+      random: each replica's :class:`ReplicaRandom` (None: the global generator), entered
+        around its body.
     """
 
     # Rendezvous state starts as these class-level defaults and becomes the run's own only
@@ -127,7 +138,8 @@ class ReplicaRun:
     def __init__(self, num_replicas: int, concurrent: bool,
                  body: Callable[["ReplicaRun", int], Any], executor: "ReplicaExecutor",
                  threads: list | None = None, servings: Sequence = (),
-                 make_collectives: Callable[["ReplicaRun"], Any] | None = None):
+                 make_collectives: Callable[["ReplicaRun"], Any] | None = None,
+                 random: list | None = None):
         self.num_replicas = num_replicas
         self.concurrent = concurrent and num_replicas > 1
         self.threads = threads
@@ -135,6 +147,7 @@ class ReplicaRun:
         self.executor = executor
         self.servings = servings  # not mutated
         self.make_collectives = make_collectives
+        self.random = random
         self.results: list = [None] * num_replicas
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
@@ -228,11 +241,15 @@ class ReplicaRun:
             if threads and torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         begin = time.perf_counter()
+        body = self.body
+        random = self.random[replica_id] if self.random is not None else None
+        if random is not None:
+            body = _with_mode(random, body)
         try:
             if on_worker:
-                output = self.thread_state.apply(lambda: self.body(self, replica_id))
+                output = self.thread_state.apply(lambda: body(self, replica_id))
             else:
-                output = self.body(self, replica_id)
+                output = body(self, replica_id)
             self.durations[replica_id] = time.perf_counter() - begin
         except ReplicaAborted:
             self._set_final(replica_id, "aborted")
@@ -398,10 +415,16 @@ class ExecutionPolicy:
       repeat bit for bit. They run concurrently while each replica's work is long enough
       to pay for the thread handoffs (>= 250 µs a replica, back to ordered under 80 µs),
       else in order on the caller's thread.
-    * They also share torch's one global CPU random generator: replicas drawing from it
-      concurrently (dropout, say) would interleave their draws at random. Every run is
-      watched; the first is ordered, and replicas that draw stay ordered for good (a
-      concurrent run that draws switches back, with a warning).
+    * Random numbers: with more than one CPU replica (in every mode) each draws from its
+      own generator (:mod:`.replica_random`), seeded from one draw of the global one per
+      run, so dropout repeats bit for bit, ordered or not. Ops that still draw from the
+      global generator are watched for: the probe runs name the op; replicas that draw
+      there run in order for good, with a warning.
+    * The streams are a torch function mode, which every torch call inside a replica
+      passes through (a few µs each): the first run shows whether the replicas draw at
+      all, and a model that does not stops paying for it. If one starts drawing later
+      (``model.train()`` after an evaluation), the watch sees the global generator move;
+      the streams come back and the probe decides again.
     """
 
     CONCURRENT_FROM = 250e-6  # seconds of work per replica
@@ -412,9 +435,16 @@ class ExecutionPolicy:
         self._cpu = [i for i, d in enumerate(devices) if not d.is_gpu]
         self._num_replicas = len(devices)
         self._shared_cpu = mode == "auto" and len(self._cpu) > 1
-        self._draws = False  # replicas were seen drawing random numbers
+        self._draws = False  # replicas were seen drawing from the global generator
         self._work = None    # moving average of seconds per replica body
         self._split = None   # (caller's threads, each replica's share)
+        self._random = None  # each CPU replica's own random stream
+        self._armed = True   # streams entered; off once a run shows the replicas never draw
+        self._trial = True   # the next finished run decides whether they draw
+        if len(self._cpu) > 1:
+            self._seed = RunSeed()
+            self._random = [ReplicaRandom(i, self._seed) if i in self._cpu else None
+                            for i in range(self._num_replicas)]
         if mode == "ordered" or len(devices) == 1:
             self.state = "ordered"
         elif self._shared_cpu:
@@ -438,31 +468,43 @@ class ExecutionPolicy:
                                    for i in range(self._num_replicas)])
         return self._split[1]
 
+    def random(self) -> list | None:
+        """Each replica's random stream for the next run, to be seeded from one draw of
+        the global generator if a replica draws (before :meth:`before_run`)."""
+        streams = self._random
+        if streams is None:
+            return None
+        self._seed.reset()  # also when disarmed: the watch compares against its last draw
+        if not self._armed:
+            return None
+        diagnose = self.state == "probe"  # ordered and watched: name any global draw
+        for stream in streams:
+            if stream is not None:
+                stream.start(diagnose)
+        return streams
+
     def before_run(self) -> bytes | None:
         """A snapshot of the CPU generator when this run could change the decision: the
         probe, concurrent runs, and ordered runs whose work nears the threshold (so a
         switch to concurrent always follows a watched run that drew nothing). Quick
-        replicas are not watched: the snapshot costs more than their whole run."""
+        replicas are not watched: the snapshot costs more than their whole run. Disarmed
+        streams watch every run, in every mode: does the model start drawing?"""
+        if self._random is not None and not self._armed:
+            return global_state()
         if not self._shared_cpu or self._draws:
             return None
         if self.state == "ordered" and (self._work or 0.0) < self.CONCURRENT_FROM / 2:
             return None
-        return _generator_state()
+        self._seed.watch = True  # tell the run seed's draw from the replicas' own
+        return global_state()
 
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
+        if self._random is not None and self._settle_streams(snapshot):
+            return
         if not self._shared_cpu:
             return
-        if snapshot is not None and _generator_state() != snapshot:
-            if self.state == "concurrent":
-                warnings.warn(
-                    "replicas drew random numbers from torch's global CPU generator while "
-                    "running concurrently, so this step's draws interleaved in no fixed "
-                    "order; csrun runs this strategy's replicas in order from now on. Pass "
-                    "StrategyOptions(execution='ordered') to start that way (or "
-                    "'concurrent' to keep concurrency and accept it).",
-                    RuntimeWarning, stacklevel=4)
-            self._draws = True
-            self.state = "ordered"
+        if snapshot is not None and self._seed.moved(snapshot):
+            self._drew(self.state == "concurrent")
             return
         if self._draws or not durations:
             return
@@ -477,9 +519,45 @@ class ExecutionPolicy:
         elif self._work < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"
 
+    def _settle_streams(self, snapshot: bytes | None) -> bool:
+        """Streams off after a first run whose replicas drew nothing; back on when a
+        disarmed run moved the global generator (True: this run is dealt with)."""
+        if self._trial:
+            self._trial = False
+            self._armed = any(s.seeded for s in self._random if s is not None)
+            return False
+        if self._armed or snapshot is None or global_state() == snapshot:
+            return False
+        self._rearm(self.state == "concurrent")
+        return True
 
-def _generator_state() -> bytes:
-    return torch.default_generator.get_state().numpy().tobytes()
+    def _rearm(self, interleaved: bool) -> None:
+        self._armed = True
+        if self._shared_cpu:
+            self.state = "probe"  # ordered and diagnosing: is a covered op the one?
+        if interleaved:
+            warnings.warn("replicas started drawing random numbers while running "
+                          "concurrently, so this step's draws interleaved in no fixed "
+                          "order; from the next step on each replica draws from its own "
+                          "generator", RuntimeWarning, stacklevel=5)
+
+    def _drew(self, interleaved: bool) -> None:
+        """Replicas drew from the global generator: in order from now on, with a warning
+        that names the op where a diagnosing run saw it."""
+        culprits = sorted({s.culprit for s in self._random if s is not None and s.culprit})
+        what = f" ({', '.join(culprits)})" if culprits else ""
+        when = ("while running concurrently, so this step's draws interleaved in no fixed "
+                "order" if interleaved else "")
+        warnings.warn(
+            f"replicas drew random numbers from torch's global CPU generator{what} "
+            f"{when}; each replica has its own generator for the random ops csrun sees "
+            "(torch.rand*, Tensor.*_ draws, dropout, ...), but not for this one, so csrun "
+            "runs this strategy's replicas in order from now on. Pass a generator of your "
+            "own, or StrategyOptions(execution='ordered') to start that way (or "
+            "'concurrent' to keep concurrency and accept it).".replace(" ;", ";"),
+            RuntimeWarning, stacklevel=5)
+        self._draws = True
+        self.state = "ordered"
 
 
 class _Worker:

@@ -630,10 +630,11 @@ def test_long_replicas_run_concurrently_and_results_still_repeat_bit_for_bit():
     assert _train_bits(_strategy(2)) == bits
 
 
-def test_replicas_using_dropout_stay_ordered_and_repeat_bit_for_bit():
+def test_replicas_using_dropout_run_concurrently_and_repeat_bit_for_bit():
+    # each replica draws from its own generator (more in test_replica_random.py)
     strategy = _strategy(2)
     bits = _train_bits(strategy, dropout=True)
-    assert strategy.extended.execution == "ordered"
+    assert strategy.extended.execution == "concurrent"
     assert _train_bits(_strategy(2), dropout=True) == bits
 
 
@@ -642,8 +643,15 @@ def test_a_concurrent_run_that_draws_random_numbers_switches_back_with_a_warning
     for _ in range(3):
         strategy.run(lambda: time.sleep(0.002))
     assert strategy.extended.execution == "concurrent"
-    with pytest.warns(RuntimeWarning, match="in order from now on"):
-        strategy.run(lambda: (time.sleep(0.002), torch.rand(1))[1])
+    # torch.rand(1) draws from the replica's own generator; a torch.ops overload without
+    # a generator argument draws from the global one
+    draw = lambda: (time.sleep(0.002), torch.ops.aten.rand.default([1]))[1]  # noqa: E731
+    # the streams were off (nothing drew): the first draw brings them back, then the
+    # probe sees the global generator still moving and names the op
+    with pytest.warns(RuntimeWarning, match="interleaved in no fixed order"):
+        strategy.run(draw)
+    with pytest.warns(RuntimeWarning, match=r"aten\.rand.*in order from now on"):
+        strategy.run(draw)
     assert strategy.extended.execution == "ordered"
     for _ in range(3):
         strategy.run(lambda: time.sleep(0.002))

@@ -400,3 +400,32 @@ def test_reduce_and_gather_of_split_batches_match_the_global_batch(num_replicas,
     mean = s.reduce(MEAN, x, axis=0)
     assert mean.dtype == torch.float64 and float(mean) == 4.0
     assert int(s.reduce(SUM, x, axis=0)) == 36
+
+
+# -- dtypes beyond the recorded cases (issue: int SUM promoted, booleans OR-ed) -----------
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.int16, torch.int64])
+@pytest.mark.parametrize("axis", [None, 0, -1])
+def test_integer_sum_keeps_its_dtype_on_every_axis(dtype, axis):
+    """TF keeps int32 for SUM (as csrun did for axis=None only); MEAN gives float64."""
+    strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"])
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor([1, 2 + ctx.replica_id_in_sync_group], dtype=dtype))
+    total = strategy.reduce("SUM", values, axis=axis)
+    assert total.dtype == dtype
+    assert total.tolist() == ([2, 5] if axis is None else 7)
+    assert strategy.reduce("MEAN", values, axis=axis).dtype == torch.float64
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("axis", [None, 0])
+def test_booleans_are_refused_by_reduce_and_all_reduce(op, axis):
+    strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"])
+    flags = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="cannot reduce booleans.*x.int\\(\\)"):
+        strategy.reduce(op, flags, axis=axis)
+    with pytest.raises(TypeError, match="cannot reduce booleans"):
+        strategy.run(lambda x: cs.get_replica_context().all_reduce(op, x), args=(flags,))
+    counted = strategy.reduce(op, strategy.run(lambda x: x.int(), args=(flags,)), axis=axis)
+    assert counted.tolist() == ([2, 0] if axis is None and op == "SUM" else
+                                [1.0, 0.0] if axis is None else 2 if op == "SUM" else 0.5)

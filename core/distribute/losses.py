@@ -1,0 +1,90 @@
+"""Loss scaling across replicas: TF's ``tf.nn.compute_average_loss``.
+
+Each replica sees a slice of the global batch; replica gradients are *summed* onto the
+parameter device. A replica's loss must therefore be its examples' share of the global
+mean: ``sum(per_example_loss) / global_batch_size``. The usual ``F.cross_entropy(out, y)``
+(a mean over the replica's slice) gives R times the gradient of a plain loop instead.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from .context import current_entry
+from .reduce import ReduceOp, as_tensor
+from .strategy import get_replica_context
+
+__all__ = ["compute_average_loss"]
+
+
+def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
+                         global_batch_size: Any = None) -> torch.Tensor:
+    """Scale per-example losses by ``sample_weight`` and average them over the global batch.
+
+    Args:
+      per_example_loss: losses of this replica's examples, shape ``[B, ...]`` (e.g.
+        ``F.cross_entropy(out, y, reduction="none")``).
+      sample_weight: optional weights: a scalar, ``[B]``, or the losses' shape.
+      global_batch_size: the number of examples of the global batch. Default: the real
+        size of the current global batch, every replica's ``B`` summed, so a short last
+        batch is scaled right (TF guesses ``B * num_replicas_in_sync``, which is wrong
+        there). Across workers (ParameterServerStrategy) the other workers' slices are
+        taken to be as large as this worker's, as TF does.
+
+    Returns:
+      A scalar: ``sum(per_example_loss * sample_weight) / global_batch_size`` (0 for an
+      empty global batch).
+
+    Raises:
+      ValueError: a scalar ``per_example_loss`` (give one loss per example), or a global
+        batch size that is not a positive integer.
+      RuntimeError: called without ``global_batch_size`` in cross-replica context.
+    """
+    loss = as_tensor(per_example_loss)
+    if loss.dim() == 0:
+        raise ValueError("per_example_loss must have at least one dimension (one loss per "
+                         "example); pass reduction='none' to the loss function")
+    if sample_weight is not None:
+        loss = loss * _broadcast_weight(as_tensor(sample_weight).to(loss.device), loss)
+    total = loss.sum()
+    if global_batch_size is None:
+        global_batch_size = _current_global_batch_size(loss.shape[0])
+    else:
+        global_batch_size = _checked_size(global_batch_size)
+    if global_batch_size == 0:
+        return total * 0  # TF's div_no_nan; keeps the graph for backward
+    return total / global_batch_size
+
+
+def _broadcast_weight(weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    # TF aligns weights on the leading (batch) dimension: [B] weighs [B, T] row by row,
+    # where torch's broadcasting would align the trailing one
+    while 0 < weight.dim() < loss.dim():
+        weight = weight.unsqueeze(-1)
+    return weight
+
+
+def _checked_size(size: Any) -> int:
+    value = size.item() if isinstance(size, torch.Tensor) and size.numel() == 1 else size
+    if isinstance(size, torch.Tensor) and (size.dtype.is_floating_point or size.numel() != 1):
+        raise ValueError(f"global_batch_size must be a scalar integer, got a {size.dtype} "
+                         f"tensor of shape {tuple(size.shape)}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"global_batch_size must be a positive integer, got {size!r}")
+    return int(value)
+
+
+def _current_global_batch_size(local: int) -> int:
+    """Every replica's batch size summed: one all-reduce among this worker's replicas."""
+    entry = current_entry()
+    if entry.strategy is not None and entry.replica is None:
+        raise RuntimeError("compute_average_loss without global_batch_size must be called in "
+                           "replica context (inside strategy.run), where the batch is split; "
+                           "in cross-replica context pass global_batch_size")
+    replica = get_replica_context()
+    count = replica.all_reduce(ReduceOp.SUM, torch.tensor(local, dtype=torch.int64))
+    workers = replica.num_replicas_in_sync // replica.strategy.extended.num_local_replicas
+    return int(count) * max(workers, 1)
