@@ -53,10 +53,6 @@ def _train(strategy, compile_with=None, steps=10, compile_step=False):
     return losses, [p.detach().clone() for p in model.parameters()], graphs
 
 
-_FRAGMENTS = ("the first run's random-draw diagnosis (replica_random) breaks the forward "
-              "into fragments, and dynamo keeps them (issue 14, to fix)")
-
-
 def _plain_graphs(compile_step):
     """The graphs a plain loop hands the backend for the same step (no strategy)."""
     graphs = []
@@ -98,8 +94,7 @@ def test_compiled_replicas_compile_a_bounded_number_of_graphs_and_match_eager(
     # random-draw watch breaks graphs), and whole forwards among them (a backward()
     # inside the compiled step function splits it in two, as in a plain loop)
     assert counts[3] == counts[-1] == len(graphs)
-    if max(graphs) < max(_plain_graphs(compile_step)):
-        pytest.xfail(_FRAGMENTS)
+    assert max(graphs) >= max(_plain_graphs(compile_step))  # not broken into fragments
 
 
 def test_compiled_replicas_do_not_recompile_with_aot_eager():

@@ -212,14 +212,14 @@ def test_compile_trains_like_eager(monkeypatch):
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
 
 
-@pytest.mark.xfail(reason="the engine's per-run parameter serving (a thread-local map "
-                   "keyed by parameter id) fails dynamo's guards, so every run recompiles; "
-                   "being fixed in the engine", strict=False)
-def test_compile_does_not_recompile_per_step(monkeypatch):
+@pytest.mark.parametrize("steps", [6, 12])
+def test_compile_does_not_recompile_per_step(monkeypatch, steps):
+    """The graphs of a 2-replica run are made in its first runs (the probe's eager read
+    included): as many for 12 steps as for 6, none per step."""
     from torch._dynamo.testing import CompileCounter
     counter = CompileCounter()
     monkeypatch.setattr(session_module, "_compiled",
                         lambda model: torch.compile(model, backend=counter))
     torch._dynamo.reset()
-    fitted("train.compile=true", "train.steps=6", "dataset.steps.1.drop_remainder=true")
-    assert counter.frame_count <= 2  # one graph per replica at most, not one per step
+    fitted("train.compile=true", f"train.steps={steps}", "dataset.steps.1.drop_remainder=true")
+    assert 1 <= counter.frame_count <= 4  # at most 2 a replica, whatever the step count
