@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER, STATE,
                         Channel, ParameterServerError, connect_store, decode, encode,
+                        gloo_device, store_host,
                         flat_by_dtype, pack_state, poll_until, settings_to_json,
                         transport_error, unflatten_into, unpack_state)
 
@@ -102,7 +103,8 @@ class ParameterServerClient:
             slot = self._store.add(f"ps/{k}/joins", 1)
             self._store.set(f"ps/{k}/join/{slot}", name)
         timeout = datetime.timedelta(seconds=self._timeout)
-        self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout)
+        device = gloo_device(store_host(self._resolver))
+        self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout, device)
                           for k in range(self.num_ps)]
 
     def _is_set(self, key: str) -> Callable[[], bool]:
