@@ -152,9 +152,10 @@ def _task_nodes(per_node: str, hosts: list[str], world: int) -> list[str]:
 def expand_hostlist(text: str) -> list[str]:
     """Slurm's compact host list, expanded: ``node[01-03,07],gpu1`` -> ``node01, node02,
     node03, node07, gpu1`` (zero padding kept; several brackets in a name multiply)."""
-    hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text.strip()):
-        hosts += _expand_one(item)
+    items = re.findall(r"(?:[^,\[\]]|\[[^\]\[]*\])+", text.strip())
+    if ",".join(items) != text.strip():  # an unbalanced bracket, an empty item
+        raise ValueError(f"the node list {text!r} is malformed")
+    hosts = [host for item in items for host in _expand_one(item)]
     if not hosts:
         raise ValueError(f"the node list {text!r} names no host")
     return hosts
