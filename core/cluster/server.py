@@ -108,6 +108,8 @@ class ParameterServer:
                     continue
                 channel.send(op, self._answer(op, payload, worker))
         except RuntimeError as exc:  # the peer died or its connection broke
+            # which incarnation died: a restarted worker (a later one) is not lost
+            self._store.set(f"lost_incarnation/{worker}", name.rsplit("#", 1)[1])
             self._store.set(f"lost/{worker}", f"ps:{self.task_id} lost {name}: {exc}"[:500])
 
     def _answer(self, op: int, payload: list[torch.Tensor], worker: str) -> list[torch.Tensor]:
