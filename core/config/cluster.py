@@ -99,7 +99,7 @@ def _resolve(strategy: Any, environ: Mapping[str, str]
         except ClusterError as exc:
             return None, _problems(exc.problems, LAUNCHER_ORIGIN)
         if launched is None:
-            return None, [_NO_CLUSTER]
+            return None, [_no_cluster()]
         env_cluster, env_task, source = launched.cluster, launched.task, launched.source
         task_origin = f"environment ({launched.source})"
     if mine is not None and env_cluster is not None and mine != env_cluster:
@@ -118,13 +118,14 @@ def _resolve(strategy: Any, environ: Mapping[str, str]
 
 
 LAUNCHER_ORIGIN = "environment (torchrun or Slurm variables)"
-_NO_CLUSTER = Problem(
-    "strategy.cluster", "kind: parameter_server needs a cluster, and neither "
-    "strategy.cluster, the TF_CONFIG environment variable, nor torchrun's or Slurm's "
-    "variables give one",
-    "start the whole job on this machine with `csrun launch CONFIG --workers 2 --ps 1`, "
-    "start it with torchrun and strategy.num_ps, set TF_CONFIG for each task, or list "
-    "the tasks' host:port addresses in strategy.cluster (chief, worker, ps)")
+def _no_cluster() -> Problem:  # a new one each time: reporting sets its location
+    return Problem(
+        "strategy.cluster", "kind: parameter_server needs a cluster, and neither "
+        "strategy.cluster, the TF_CONFIG environment variable, nor torchrun's or Slurm's "
+        "variables give one",
+        "start the whole job on this machine with `csrun launch CONFIG --workers 2 --ps "
+        "1`, start it with torchrun and strategy.num_ps, set TF_CONFIG for each task, or "
+        "list the tasks' host:port addresses in strategy.cluster (chief, worker, ps)")
 
 
 def _num_ps_problems(strategy: Any, spec: dict) -> list[Problem]:
