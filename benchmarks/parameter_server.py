@@ -162,14 +162,25 @@ def run_tasks(tasks: list[tuple], args, folder: Path, name: str,
 RATES = {"1gbit": 1e9, "10gbit": 1e10}
 
 
-def bandwidth_bound(rate: float, workers: int, ps: int, hidden: int) -> float:
-    """examples/s the links allow: a worker step pushes every gradient and pulls every
-    value (4 bytes each) over its link; a ps's link carries its shard's share of every
-    worker's step (an even split assumed). Each worker step is GLOBAL_BATCH/workers
-    examples."""
-    step_bits = parameter_count(hidden) * 4 * 8  # each way; links are full duplex
-    steps_per_s = min(workers * rate / step_bits, ps * rate / step_bits)
-    return steps_per_s * GLOBAL_BATCH / workers
+def largest_shard(hidden: int, ps: int, placement: str) -> int:
+    """Parameters on the busiest ps (csrun's placement rules, on the MLP's tensors)."""
+    sizes = [FEATURES * hidden, hidden, hidden * hidden, hidden, hidden * CLASSES, CLASSES]
+    load = [0] * ps
+    for i, size in enumerate(sizes):
+        k = i % ps if placement == "round_robin" else min(range(ps), key=lambda j: load[j])
+        load[k] += size
+    return max(load)
+
+
+def bandwidth_bound(rate: float, workers: int, ps: int, hidden: int,
+                    placement: str = "balanced") -> float:
+    """examples/s the links allow. A worker step pushes every gradient and pulls every
+    value (4 bytes each way; links are full duplex) over the worker's link, and its
+    shard's part over each ps's link, which carries that for every worker's steps. Each
+    worker step is GLOBAL_BATCH/workers examples."""
+    worker_steps = workers * rate / (parameter_count(hidden) * 32)
+    ps_steps = rate / (largest_shard(hidden, ps, placement) * 32)
+    return min(worker_steps, ps_steps) * GLOBAL_BATCH / workers
 
 
 def run_on_links(rate: str, workers: int, ps: int, args, folder: Path) -> dict:
@@ -180,7 +191,7 @@ def run_on_links(rate: str, workers: int, ps: int, args, folder: Path) -> dict:
         figures = run_tasks(cluster_tasks(cluster), args, folder, f"{rate}-{workers}w{ps}ps",
                             wrap=hosts.command)
         shaping = hosts.shaping
-    bound = bandwidth_bound(RATES[rate], workers, ps, args.hidden)
+    bound = bandwidth_bound(RATES[rate], workers, ps, args.hidden, args.placement)
     return {**figures, "rate": rate, "workers": workers, "ps": ps, "hidden": args.hidden,
             "shaping": shaping, "bound_examples_per_s": bound,
             "bytes_per_worker_step": 2 * 4 * parameter_count(args.hidden)}
