@@ -39,30 +39,34 @@ GLOBAL_BATCH, FEATURES, CLASSES, DISTINCT_BATCHES = 256, 784, 10, 8
 
 
 # -- one task (run as `parameter_server.py --task ...`) ---------------------------------
-def build_model():
+def build_model(hidden: int = 512):
     import torch.nn as nn
-    return nn.Sequential(nn.Linear(FEATURES, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                         nn.Linear(512, CLASSES))
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Linear(hidden, CLASSES))
 
 
-def make_strategy(kind: str):
+def parameter_count(hidden: int) -> int:
+    return FEATURES * hidden + hidden + hidden * hidden + hidden + hidden * CLASSES + CLASSES
+
+
+def make_strategy(kind: str, placement: str = "round_robin"):
     if kind == "central":
         from csrun.core import CentralStorageStrategy
         return CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
     from csrun.core.cluster.parameter_server_strategy import ParameterServerStrategy
-    return ParameterServerStrategy(timeout=120)  # the cluster and task from TF_CONFIG
+    return ParameterServerStrategy(timeout=120, variable_placement=placement)  # TF_CONFIG
 
 
 def task(args) -> int:
     import torch
     import torch.nn.functional as F
-    strategy = make_strategy(args.task)
+    strategy = make_strategy(args.task, args.placement)
     if args.task == "ps":
         strategy.extended.join()
         return 0
     torch.manual_seed(0)
     with strategy.scope():
-        model = build_model()
+        model = build_model(args.hidden)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(GLOBAL_BATCH, FEATURES, generator=g),
@@ -104,22 +108,35 @@ def barrier(folder: Path, parties: int) -> None:
 # -- the driver -------------------------------------------------------------------------
 
 def run_variant(name: str, args, folder: Path) -> dict:
-    """Start the variant's processes, wait for them, and return its figures."""
-    workers, cpus = VARIANTS[name], os.cpu_count() or 1
+    """Start the variant's processes on loopback, wait for them, return its figures."""
+    workers = VARIANTS[name]
+    if workers == 0:
+        return run_tasks([("central", None, os.cpu_count() or 1)], args, folder, name)
+    from csrun.core.runner.launch import free_ports  # the driver itself stays free of torch
+    ports = free_ports(workers + 1)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
+               "ps": [f"127.0.0.1:{ports[-1]}"]}
+    return run_tasks(cluster_tasks(cluster), args, folder, name)
+
+
+def cluster_tasks(cluster: dict) -> list[tuple]:
+    """(kind, (job, index, cluster), threads) of every task, ps tasks first; threads as
+    `csrun launch` gives them."""
+    workers, cpus = len(cluster["worker"]), os.cpu_count() or 1
+    return [("ps", ("ps", k, cluster), 1) for k in range(len(cluster["ps"]))] + [
+        ("worker", ("worker", i, cluster), max(1, cpus // workers)) for i in range(workers)]
+
+
+def run_tasks(tasks: list[tuple], args, folder: Path, name: str,
+              wrap=lambda k, argv: argv) -> dict:
+    """Run ``tasks`` (``wrap(k, argv)`` may place task k elsewhere); their figures."""
+    workers = sum(kind != "ps" for kind, _, _ in tasks)
     barrier_dir = folder / f"barrier-{name}-{time.monotonic_ns()}"
     barrier_dir.mkdir()
     common = [sys.executable, __file__, "--steps", str(args.steps), "--warmup",
-              str(args.warmup), "--barrier", str(barrier_dir), "--parties", str(max(1, workers))]
+              str(args.warmup), "--barrier", str(barrier_dir), "--parties", str(workers),
+              "--hidden", str(args.hidden), "--placement", args.placement]
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    if workers == 0:
-        tasks = [("central", None, cpus)]
-    else:
-        from csrun.core.runner.launch import free_ports  # the driver itself stays free of torch
-        ports = free_ports(workers + 1)
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
-                   "ps": [f"127.0.0.1:{ports[-1]}"]}
-        tasks = [("ps", ("ps", 0, cluster), 1)] + [
-            ("worker", ("worker", i, cluster), max(1, cpus // workers)) for i in range(workers)]
     procs, results = [], []
     for k, (kind, where, threads) in enumerate(tasks):
         result = folder / f"{name}-{k}.json"
@@ -127,8 +144,8 @@ def run_variant(name: str, args, folder: Path) -> dict:
         if where is not None:
             task_env["TF_CONFIG"] = json.dumps({"cluster": where[2], "task": {
                 "type": where[0], "index": where[1]}})
-        procs.append(subprocess.Popen(common + ["--task", kind, "--result", str(result)],
-                                      env=task_env))
+        argv = wrap(k, common + ["--task", kind, "--result", str(result)])
+        procs.append(subprocess.Popen(argv, env=task_env))
         if kind != "ps":
             results.append(result)
     for proc in procs:
@@ -139,6 +156,83 @@ def run_variant(name: str, args, folder: Path) -> dict:
     examples = sum(f["examples"] for f in figures)
     return {"examples_per_s": examples / span, "seconds": span, "examples": examples,
             "final_loss": figures[0]["losses"][-1], "first_loss": figures[0]["losses"][0]}
+
+
+# -- limited links: each task a host (a network namespace) -----------------------------
+RATES = {"1gbit": 1e9, "10gbit": 1e10}
+
+
+def largest_shard(hidden: int, ps: int, placement: str) -> int:
+    """Parameters on the busiest ps (csrun's placement rules, on the MLP's tensors)."""
+    sizes = [FEATURES * hidden, hidden, hidden * hidden, hidden, hidden * CLASSES, CLASSES]
+    load = [0] * ps
+    for i, size in enumerate(sizes):
+        k = i % ps if placement == "round_robin" else min(range(ps), key=lambda j: load[j])
+        load[k] += size
+    return max(load)
+
+
+def bandwidth_bound(rate: float, workers: int, ps: int, hidden: int,
+                    placement: str = "balanced") -> float:
+    """examples/s the links allow. A worker step pushes every gradient and pulls every
+    value (4 bytes each way; links are full duplex) over the worker's link, and its
+    shard's part over each ps's link, which carries that for every worker's steps. Each
+    worker step is GLOBAL_BATCH/workers examples."""
+    worker_steps = workers * rate / (parameter_count(hidden) * 32)
+    ps_steps = rate / (largest_shard(hidden, ps, placement) * 32)
+    return min(worker_steps, ps_steps) * GLOBAL_BATCH / workers
+
+
+def run_on_links(rate: str, workers: int, ps: int, args, folder: Path) -> dict:
+    netns = _netns()
+    with netns.Hosts(ps + workers, rate) as hosts:
+        cluster = {"ps": [f"{a}:2222" for a in hosts.addresses[:ps]],
+                   "worker": [f"{a}:2222" for a in hosts.addresses[ps:]]}
+        figures = run_tasks(cluster_tasks(cluster), args, folder, f"{rate}-{workers}w{ps}ps",
+                            wrap=hosts.command)
+        shaping = hosts.shaping
+    bound = bandwidth_bound(RATES[rate], workers, ps, args.hidden, args.placement)
+    return {**figures, "rate": rate, "workers": workers, "ps": ps, "hidden": args.hidden,
+            "shaping": shaping, "bound_examples_per_s": bound,
+            "bytes_per_worker_step": 2 * 4 * parameter_count(args.hidden)}
+
+
+def _netns():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("netns", Path(__file__).with_name("netns.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    reason = module.unavailable()
+    if reason:
+        raise SystemExit(f"--links: {reason}")
+    return module
+
+
+def measure_links(args) -> dict:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="csrun-psbench-") as tmp:
+        for rate in args.links.split(","):
+            for workers in (1, 2, 4):
+                for ps in (1, 2):
+                    rows.append(run_on_links(rate, workers, ps, args, Path(tmp)))
+                    print(link_row(rows[-1]), flush=True)
+        hidden = args.hidden
+        for args.hidden in args.crossover:  # model size: where does a second ps pay?
+            for ps in (1, 2):
+                rows.append(run_on_links(args.links.split(",")[0], 2, ps, args, Path(tmp)))
+                print(link_row(rows[-1]), flush=True)
+        args.hidden = hidden
+    import torch
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
+            "global_batch": GLOBAL_BATCH, "placement": args.placement, "links": rows}
+
+
+def link_row(row: dict) -> str:
+    latency = "rate + 0.2 ms" if row["shaping"] == "netem" else "rate only (tbf)"
+    return (f"{row['rate']:>7s} {row['hidden']:>6d} {row['workers']:>3d}w {row['ps']}ps "
+            f"{row['examples_per_s']:10.0f} ex/s  bound {row['bound_examples_per_s']:10.0f}"
+            f"  ({row['examples_per_s'] / row['bound_examples_per_s']:.2f} of it; {latency})")
 
 
 def measure(args) -> dict:
@@ -182,6 +276,14 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps before measuring")
     parser.add_argument("--quick", action="store_true", help="1 round of 10 steps")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--links", metavar="RATES", help="instead: each task a network "
+                        "namespace, links limited to RATES (1gbit,10gbit); needs root")
+    parser.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
+    parser.add_argument("--crossover", type=lambda t: [int(h) for h in t.split(",")],
+                        default=[64, 256, 1024], help="--links: hidden widths to run "
+                        "with 2 workers and 1 or 2 ps")
+    parser.add_argument("--placement", default="balanced", choices=["round_robin",
+                        "balanced"], help="variables over the ps tasks")
     parser.add_argument("--task", choices=["central", "worker", "ps"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--barrier", help=argparse.SUPPRESS)
@@ -191,8 +293,11 @@ def main(argv=None) -> int:
         return task(args)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 10, 2
-    result = measure(args)
-    print(report(result))
+    if args.links:
+        result = measure_links(args)
+    else:
+        result = measure(args)
+        print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -91,14 +91,20 @@ def _cluster_rows(cluster: dict | None) -> list[tuple[str, str]]:
     for device in cluster["variables"].values():
         ps = device.split("/task:")[1].split("/")[0] if "/task:" in device else device
         homes[f"ps:{ps}"] = homes.get(f"ps:{ps}", 0) + 1
+    when = cluster.get("global_step_when", "")
+    note = f" when {when}" if when else ""
+    note += " (the chief reports the job's last)" if when == "this worker finished" else ""
     rows = [("cluster", f"{cluster['task']} ({cluster['role']}); global step "
-                        f"{cluster['global_step']}; variables: " +
+                        f"{cluster['global_step']}{note}; variables: " +
              ", ".join(f"{n} on {ps}" for ps, n in sorted(homes.items())))]
     if "updates" in cluster:
         rows.append(("updates", ", ".join(f"{w}: {n}" for w, n in
                                           sorted(cluster["updates"].items())) or "-"))
         lost = cluster.get("lost_workers") or []
         rows.append(("lost workers", ", ".join(lost) if lost else "none"))
+        if cluster.get("rejoined_workers"):
+            rows.append(("rejoined", ", ".join(cluster["rejoined_workers"]) +
+                         " (restarted during the job)"))
     return rows
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from csrun.core.runner.session import Outputs
-from csrun.core.runner.train import train_from_file
+from csrun.core.runner.train import task_name, train_from_file
 
 from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
 from .render import View, clean_floats, write_json
@@ -23,7 +23,9 @@ def train(
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue from the newest checkpoint in checkpoint.dir.")] = False,
     json_path: Annotated[Optional[str], typer.Option(
-        "--json", metavar="PATH", help="Write the result as JSON to PATH (- for stdout).")
+        "--json", metavar="PATH", help="Write the result as JSON to PATH (- for stdout); "
+        "{task} in PATH becomes this process's task (ps-0, worker-1; local), for "
+        "launchers such as torchrun that give every process the same command.")
     ] = None,
     plot: Annotated[Optional[str], typer.Option(
         metavar="PATH", help="Write the loss curve and per-replica step times as an image "
@@ -50,7 +52,7 @@ def train(
         code = OK if result.status != "interrupted" else \
             TERMINATED if result.signal == "SIGTERM" else INTERRUPTED
         if json_path:
-            write_json(json_path, clean_floats({**result.to_dict(), "config": config,
+            write_json(json_path.replace("{task}", task_name(result)), clean_floats({**result.to_dict(), "config": config,
                                                 "overrides": overrides or [],
                                                 "exit_code": code}))
     if code in (INTERRUPTED, TERMINATED):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER, STATE,
                         Channel, ParameterServerError, connect_store, decode, encode,
+                        gloo_device, store_host,
                         flat_by_dtype, pack_state, poll_until, settings_to_json,
                         transport_error, unflatten_into, unpack_state)
 
@@ -102,7 +103,8 @@ class ParameterServerClient:
             slot = self._store.add(f"ps/{k}/joins", 1)
             self._store.set(f"ps/{k}/join/{slot}", name)
         timeout = datetime.timedelta(seconds=self._timeout)
-        self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout)
+        device = gloo_device(store_host(self._resolver))
+        self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout, device)
                           for k in range(self.num_ps)]
 
     def _is_set(self, key: str) -> Callable[[], bool]:
@@ -178,17 +180,26 @@ class ParameterServerClient:
     def global_step(self) -> int:
         return self._store.add("global_step", 0)
 
-    def lost_workers(self) -> dict[str, str]:
-        """Workers a ps saw die (and that have not finished since), with what it saw."""
-        lost = {}
+    def _worker_tasks(self) -> list[str]:
         spec = self._resolver.cluster_spec()
-        for job in ("chief", "worker"):
-            for i in range(spec.num_tasks(job)):
-                key = f"{job}:{i}"
-                if self._store.check([f"lost/{key}"]) and not self._store.check(
-                        [f"finished/{key}"]):
-                    lost[key] = self._store.get(f"lost/{key}").decode()
+        return [f"{job}:{i}" for job in ("chief", "worker") for i in range(spec.num_tasks(job))]
+
+    def lost_workers(self) -> dict[str, str]:
+        """Workers a ps saw die, with what it saw: not those that finished since, nor
+        those restarted since (a later incarnation joined)."""
+        lost = {}
+        for key in self._worker_tasks():
+            if not self._store.check([f"lost/{key}"]) or self._store.check([f"finished/{key}"]):
+                continue
+            died = int(self._store.get(f"lost_incarnation/{key}"))
+            if died >= self._store.add(f"incarnation/{key}", 0):
+                lost[key] = self._store.get(f"lost/{key}").decode()
         return lost
+
+    def rejoined_workers(self) -> list[str]:
+        """Workers that were restarted and joined again (a second incarnation or later)."""
+        return [key for key in self._worker_tasks()
+                if self._store.add(f"incarnation/{key}", 0) > 1]
 
     def mark_initialized(self, info: dict | None = None) -> None:
         """Chief: the variables hold their starting values (fresh, or restored);

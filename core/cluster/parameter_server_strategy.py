@@ -248,6 +248,10 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
     def lost_workers(self) -> dict[str, str]:
         return self._remote().client.lost_workers()
 
+    def rejoined_workers(self) -> list[str]:
+        """Workers restarted during the job that joined it again."""
+        return self._remote().client.rejoined_workers()
+
     def wait_for_workers(self, timeout: float = 600.0,
                          report: Callable[[str, str], None] | None = None) -> list[str]:
         """Chief: wait until every other worker finished or was lost, then pull the

@@ -9,7 +9,8 @@ A cluster spec maps job names to task addresses, as in TF's ``TF_CONFIG``::
 A *cluster resolver* gives the spec and this process's ``task_type`` and ``task_id``.
 ``TFConfigClusterResolver`` reads ``TF_CONFIG``; ``SimpleClusterResolver`` takes them as
 arguments; ``TorchrunClusterResolver`` derives them from torchrun's ``RANK``/``WORLD_SIZE``
-/``MASTER_ADDR``/``MASTER_PORT`` (the first ``num_ps`` ranks are parameter servers).
+/``MASTER_ADDR``/``MASTER_PORT`` (the first ``num_ps`` ranks are parameter servers;
+:mod:`.launchers` reads torchrun's and Slurm's variables).
 """
 
 from __future__ import annotations
@@ -257,26 +258,13 @@ class TFConfigClusterResolver(SimpleClusterResolver):
 
 class TorchrunClusterResolver(SimpleClusterResolver):
     """A resolver from torchrun's environment: the first ``num_ps`` ranks are parameter
-    servers, the next rank is the chief's role (worker 0), the rest are workers.
+    servers, the rest workers (``worker:0`` is the chief).
 
-    All tasks share ``MASTER_ADDR``; task ``k`` gets port ``MASTER_PORT + k``.
+    ``ps:0`` hosts the job's store on ``MASTER_ADDR`` at ``MASTER_PORT + 1``: torchrun's
+    own store holds ``MASTER_PORT``. See :mod:`.launchers` for the rules.
     """
 
     def __init__(self, num_ps: int, environ: Mapping[str, str] | None = None):
-        env = os.environ if environ is None else environ
-        try:
-            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        except KeyError as exc:
-            raise _error(f"torchrun's {exc.args[0]} is not set", hint="start the task with "
-                         "torchrun or set TF_CONFIG") from None
-        except ValueError:
-            raise _error("torchrun's RANK, WORLD_SIZE and MASTER_PORT must be "
-                         "integers") from None
-        if not 0 < num_ps < world:
-            raise _error(f"{num_ps} parameter server(s) leave no worker among "
-                         f"{world} torchrun processes")
-        addresses = [f"{host}:{port + k}" for k in range(world)]
-        spec = {"ps": addresses[:num_ps], "worker": addresses[num_ps:]}
-        task = ("ps", rank) if rank < num_ps else ("worker", rank - num_ps)
-        super().__init__(spec, *task)
+        from .launchers import torchrun_cluster  # it builds on this module
+        launched = torchrun_cluster(num_ps, os.environ if environ is None else environ)
+        super().__init__(launched.cluster, *launched.task)

@@ -18,6 +18,7 @@ import torch
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER,
                         STATE, Channel, connect_store, decode, encode, flat_by_dtype,
+                        gloo_device, store_host,
                         pack_state, poll_until, settings_from_json, unflatten_into,
                         unpack_state, views_like)
 
@@ -32,6 +33,7 @@ class ParameterServer:
             raise ValueError(f"task {resolver.task_type}:{resolver.task_id} is not a ps task")
         self.task_id = resolver.task_id
         self._store = connect_store(resolver, resolver.task_id == 0, timeout)
+        self._device = gloo_device(store_host(resolver))
         self._vars: dict[int, torch.Tensor] = {}
         self._groups: dict[int, int] = {}
         self._optimizer = None
@@ -94,7 +96,8 @@ class ParameterServer:
     def _connection(self, name: str) -> None:
         worker = name.rsplit("#", 1)[0]
         try:
-            channel = Channel(self._store, f"chan/{self.task_id}/{name}", 0, FOREVER)
+            channel = Channel(self._store, f"chan/{self.task_id}/{name}", 0, FOREVER,
+                              self._device)
             while True:
                 op, payload = channel.recv()
                 if op == BYE:
@@ -105,6 +108,8 @@ class ParameterServer:
                     continue
                 channel.send(op, self._answer(op, payload, worker))
         except RuntimeError as exc:  # the peer died or its connection broke
+            # which incarnation died: a restarted worker (a later one) is not lost
+            self._store.set(f"lost_incarnation/{worker}", name.rsplit("#", 1)[1])
             self._store.set(f"lost/{worker}", f"ps:{self.task_id} lost {name}: {exc}"[:500])
 
     def _answer(self, op: int, payload: list[torch.Tensor], worker: str) -> list[torch.Tensor]:

@@ -13,7 +13,8 @@ checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
 Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
 ``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
 ``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
-``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK``.
+``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK`` and
+``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import os
 import re
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -46,6 +49,10 @@ class ParameterServerError(RuntimeError):
 
 
 # -- the store ---------------------------------------------------------------------------
+def store_host(resolver: ClusterResolver) -> str:
+    return resolver.cluster_spec().task_address("ps", 0).rpartition(":")[0]
+
+
 def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float
                   ) -> dist.TCPStore:
     """The job's store at ``ps:0``'s address: hosted there, joined by every other task."""
@@ -115,11 +122,37 @@ def settings_from_json(settings: dict) -> dict:
             for k, v in settings.items()}
 
 
+def gloo_device(store_host: str):
+    """The gloo device to listen on: the interface this host reaches ``ps:0`` (the
+    store's host) through, so the peer can connect to it; None (gloo's own choice) when
+    ``GLOO_SOCKET_IFNAME`` names one.
+
+    gloo's own choice is the address the host name resolves to, which is often loopback
+    (``127.0.1.1`` on Debian) and then unreachable from other hosts.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((store_host, 9))  # UDP: picks a route, sends nothing
+            address = probe.getsockname()[0]
+    except OSError:  # no IPv4 route (an IPv6-only host): gloo's own choice
+        return None
+    return dist.ProcessGroupGloo.create_device(hostname=address)
+
+
 class Channel:
     """One worker incarnation <-> one ps: a two-rank gloo group (rank 0 is the ps)."""
 
-    def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta):
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, timeout)
+    def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta,
+                 device=None):
+        prefixed = dist.PrefixStore(prefix, store)
+        if device is None:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices, options._timeout = [device], timeout
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, 2, options)
         self._peer = 1 - rank
         self._lock = threading.Lock()
 

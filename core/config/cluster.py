@@ -1,4 +1,5 @@
-"""The cluster of a config: ``strategy.cluster``/``strategy.task`` or ``TF_CONFIG``.
+"""The cluster of a config: ``strategy.cluster``/``strategy.task``, ``TF_CONFIG``, or the
+variables of torchrun or Slurm's ``srun`` (with ``strategy.num_ps``), in that order.
 
 A ``strategy.kind: parameter_server`` config names its cluster (the ``host:port`` of every
 chief, worker and ps task) and this process's task in the config, or leaves them to the
@@ -23,6 +24,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from ..cluster.launchers import launcher_cluster
 from ..cluster.resolvers import (TF_CONFIG_SHAPE, ClusterError, ClusterProblem, ClusterSpec,
                                  SimpleClusterResolver, cluster_spec_problems,
                                  parse_tf_config, task_problems, training_problems)
@@ -82,6 +84,8 @@ def cluster_resolver(strategy: Any, environ: Mapping[str, str] | None = None
 
 def _resolve(strategy: Any, environ: Mapping[str, str]
              ) -> tuple[SimpleClusterResolver | None, list[Problem]]:
+    """Which source wins: ``strategy.cluster`` and ``TF_CONFIG`` (which must agree), then
+    torchrun's variables, then Slurm's (:mod:`csrun.core.cluster.launchers`)."""
     try:
         env = parse_tf_config(environ.get("TF_CONFIG", ""))
     except ClusterError as exc:
@@ -92,26 +96,49 @@ def _resolve(strategy: Any, environ: Mapping[str, str]
                               origin=TF_CONFIG_ORIGIN)]
     env_cluster = _jobs(env.cluster) if env and env.cluster is not None else None
     mine = _jobs(strategy.cluster.model_dump()) if strategy.cluster is not None else None
+    env_task, source, task_origin = env and env.task, "TF_CONFIG", TF_CONFIG_ORIGIN
     if mine is None and env_cluster is None:
-        return None, [Problem(
-            "strategy.cluster", "kind: parameter_server needs a cluster, and neither "
-            "strategy.cluster nor the TF_CONFIG environment variable gives one",
-            "start the whole job on this machine with `csrun launch CONFIG --workers 2 "
-            "--ps 1`, set TF_CONFIG for each task, or list the tasks' host:port "
-            "addresses in strategy.cluster (chief, worker, ps)")]
+        try:
+            launched = launcher_cluster(strategy.num_ps, environ)
+        except ClusterError as exc:
+            return None, _problems(exc.problems, LAUNCHER_ORIGIN)
+        if launched is None:
+            return None, [_no_cluster()]
+        env_cluster, env_task, source = launched.cluster, launched.task, launched.source
+        task_origin = f"environment ({launched.source})"
     if mine is not None and env_cluster is not None and mine != env_cluster:
         return None, [Problem(
             "strategy.cluster", f"differs from TF_CONFIG's cluster ({_short(env_cluster)})",
             "give the cluster in one place: remove strategy.cluster (csrun launch sets "
             "TF_CONFIG itself), or unset TF_CONFIG")]
-    spec, origin = (mine, None) if mine is not None else (env_cluster, TF_CONFIG_ORIGIN)
-    problems = _problems(_spec_problems(spec), origin)
-    task, missing = _task(strategy, env and env.task)
+    spec, origin = (mine, None) if mine is not None else (env_cluster, task_origin)
+    problems = _problems(_spec_problems(spec), origin) + _num_ps_problems(strategy, spec)
+    task, missing = _task(strategy, env_task, source)
     if problems or missing:
         return None, problems + missing
     problems = _problems(_task_problems(ClusterSpec(spec), *task),
-                         None if strategy.task else TF_CONFIG_ORIGIN)
+                         None if strategy.task else task_origin)
     return (None, problems) if problems else (SimpleClusterResolver(spec, *task), [])
+
+
+LAUNCHER_ORIGIN = "environment (torchrun or Slurm variables)"
+def _no_cluster() -> Problem:  # a new one each time: reporting sets its location
+    return Problem(
+        "strategy.cluster", "kind: parameter_server needs a cluster, and neither "
+        "strategy.cluster, the TF_CONFIG environment variable, nor torchrun's or Slurm's "
+        "variables give one",
+        "start the whole job on this machine with `csrun launch CONFIG --workers 2 --ps "
+        "1`, start it with torchrun and strategy.num_ps, set TF_CONFIG for each task, or "
+        "list the tasks' host:port addresses in strategy.cluster (chief, worker, ps)")
+
+
+def _num_ps_problems(strategy: Any, spec: dict) -> list[Problem]:
+    count = len(spec.get("ps", []))
+    if strategy.num_ps is None or strategy.num_ps == count:
+        return []
+    return [Problem("strategy.num_ps", f"is {strategy.num_ps}, but the cluster lists "
+                    f"{count} ps task(s)", "leave num_ps out when the cluster is given "
+                    "(it is for torchrun and Slurm jobs), or make them agree")]
 
 
 def _problems(found: list[ClusterProblem], origin: str | None, hint: str | None = None
@@ -141,7 +168,8 @@ def _spec_problems(spec: dict) -> list[ClusterProblem]:
     return needs_ps + cluster_spec_problems(spec) + training_problems(spec)
 
 
-def _task(strategy: Any, env_task: tuple | None) -> tuple[tuple | None, list[Problem]]:
+def _task(strategy: Any, env_task: tuple | None, source: str
+          ) -> tuple[tuple | None, list[Problem]]:
     mine = (strategy.task.type, strategy.task.index) if strategy.task is not None else None
     if mine is None and env_task is None:
         return None, [Problem("strategy.task", "which task of the cluster is this process? "
@@ -150,7 +178,7 @@ def _task(strategy: Any, env_task: tuple | None) -> tuple[tuple | None, list[Pro
                               "index: 0}")]
     if mine is not None and env_task is not None and mine != env_task:
         return None, [Problem("strategy.task", f"{mine[0]}:{mine[1]} differs from "
-                              f"TF_CONFIG's task {env_task[0]}:{env_task[1]}",
+                              f"{source}'s task {env_task[0]}:{env_task[1]}",
                               "give the task in one place")]
     return mine or env_task, []
 

@@ -116,10 +116,18 @@ class ParameterServerConfig(_Section):
     kind: Literal["parameter_server"] = Field(description="`parameter_server`.")
     cluster: ClusterConfig | None = Field(
         None, description="The cluster; null: the `cluster` of the `TF_CONFIG` environment "
-        "variable. When both are given they must agree.")
+        "variable, else torchrun's or Slurm's variables (with `num_ps`). When both this "
+        "and `TF_CONFIG` give one they must agree.")
     task: TaskConfig | None = Field(
-        None, description="This process's task; null: the `task` of `TF_CONFIG`. Usually "
+        None, description="This process's task; null: the `task` of `TF_CONFIG` (or the "
+        "launcher's rank). Usually "
         "set per process by `TF_CONFIG` (or an override), not in a shared file.")
+    num_ps: Int64 | None = Field(
+        None, ge=1, description="How many ps tasks a job started by `torchrun` (or "
+        "Slurm's `srun`) has: ranks `0..num_ps-1` serve the variables, the rest are "
+        "workers (the first the chief); the cluster then comes from the launcher's "
+        "variables, without `TF_CONFIG`. With a cluster from `strategy.cluster` or "
+        "`TF_CONFIG`, it must match its ps count. See docs/parameter-server.md.")
     num_gpus_per_worker: Int64 = Field(
         0, ge=0, description="Local GPUs each worker replicates over (`GPU:0` ... ); 0: "
         "one replica on `CPU:0`. Leave it 0 when `compute_devices` names the replicas.")

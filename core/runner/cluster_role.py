@@ -193,11 +193,20 @@ class ClusterRole:
         if self.is_chief:
             for task, why in self.ext.lost_workers().items():
                 self._report(task, why)
+            self._rejoined()
 
     def _report(self, task: str, why: str) -> None:
         if task not in self._reported:
             self._reported.add(task)
             self.emit(Notice(f"lost {task}; the job goes on without it ({why})"))
+
+    def _rejoined(self) -> list[str]:
+        """Workers restarted since; those reported lost are news (and may be lost again)."""
+        rejoined = self.ext.rejoined_workers()
+        for task in sorted(self._reported.intersection(rejoined)):
+            self._reported.discard(task)
+            self.emit(Notice(f"rejoined {task}: it was restarted and trains again"))
+        return rejoined
 
     def settle(self) -> None:
         """The chief waits for the other workers and pulls the final values, so that its
@@ -208,10 +217,13 @@ class ClusterRole:
     # -- the end ---------------------------------------------------------------------------
     def end(self, result: RunResult, model: torch.nn.Module) -> ClusterRunResult:
         cluster = self._cluster(model)
+        # the store lives until the chief ends the job: ask before finish() does
+        self._rejoined_before_end = self._rejoined() if self.is_chief else []
         self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
         self._ended = True
         if self.is_chief:
             cluster["lost_workers"] = self.lost
+            cluster["rejoined_workers"] = self._rejoined_before_end
             cluster["updates"] = _updates(getattr(self.ext, "ps_logs", []))
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         return ClusterRunResult(**fields, cluster=cluster)
@@ -225,7 +237,11 @@ class ClusterRole:
                 "variable_placement": self.config.strategy.variable_placement,
                 "variables": {name: self.ext.variable_device(p)
                               for name, p in model.named_parameters()},
-                "global_step": self.ext.global_step}
+                # the chief reads it after the other workers finished: the job's last;
+                # another worker when it finished, while the rest may still be training
+                "global_step": self.ext.global_step,
+                "global_step_when": "the job ended" if self.is_chief
+                else "this worker finished"}
 
     def abort(self, reason: str) -> None:
         """After a failure: the chief ends the job (the ps tasks stop), unless it has; a

@@ -27,7 +27,7 @@ from .plots import plot_available
 from .preflight import check_writable, load_config
 from .session import Outputs, Session, run_session, stop_on_signals
 
-__all__ = ["train", "train_from_file"]
+__all__ = ["train", "train_from_file", "task_name"]
 
 
 def train_from_file(path: str, overrides: Sequence[str] = (), **options: Any) -> RunResult:
@@ -80,6 +80,13 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
             result = run_session(Session(config, outputs, emit), resume, stop)
         result.signal = received[0] if received and result.status == "interrupted" else None
         return result
+
+
+def task_name(result: Any) -> str:
+    """The task a result is from, as a file name part: ``ps-0``, ``worker-1``; ``local``
+    outside a cluster."""
+    task = getattr(result, "task", None) or getattr(result, "cluster", {}).get("task")
+    return task.replace(":", "-") if task else "local"
 
 
 def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:

@@ -1,0 +1,123 @@
+"""The chief's final report agrees with what happened: a worker killed and restarted
+rejoins and is not "lost"; the global steps the tasks report say what they count."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from csrun.core.runner.launch import free_ports
+
+CONFIG = """\
+strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
+dataset:
+  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
+  steps:
+    - {op: shuffle, buffer: 256}
+    - {op: batch, size: 32}
+model: {kind: mlp, hidden: [16]}
+optimizer: {name: SGD, lr: 0.05}
+train: {steps: STEPS, log_every: 10}
+"""
+
+
+class Job:
+    """A chief, a worker and a ps as `csrun train` processes with their TF_CONFIG."""
+
+    def __init__(self, folder: Path, steps: int):
+        self.folder = folder
+        (folder / "c.yaml").write_text(CONFIG.replace("STEPS", str(steps)))
+        ports = free_ports(3)
+        self.cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
+                        "worker": [f"127.0.0.1:{ports[1]}"], "ps": [f"127.0.0.1:{ports[2]}"]}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, job: str, name: str, overrides: tuple = ()) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
+        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster,
+                                       "task": {"type": job, "index": 0}})
+        log = open(self.folder / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "csrun.cli.main", "train", "c.yaml",
+                                 *overrides, "--json", f"{name}.json"], cwd=self.folder,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.folder / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_log(self, name: str, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log(name):
+            assert time.monotonic() < deadline, f"no {text!r} in {name}: {self.log(name)}"
+            time.sleep(0.05)
+
+    def result(self, name: str) -> dict:
+        return json.loads((self.folder / f"{name}.json").read_text())
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def job(tmp_path):
+    made = []
+
+    def make(steps):
+        made.append(Job(tmp_path, steps))
+        return made[-1]
+    yield make
+    for each in made:  # a failed test must not leave a cluster running
+        each.kill_all()
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_worker_rejoins_and_is_not_reported_lost(job):
+    cluster = job(steps=300)
+    ps = cluster.start("ps", "ps")
+    chief = cluster.start("chief", "chief", ("train.steps=1000000",))  # it waits for us
+    first = cluster.start("worker", "worker")
+    cluster.wait_log("worker", "step 20/300")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    cluster.wait_log("chief", "lost worker:0")  # the chief saw it go
+    again = cluster.start("worker", "again")
+    cluster.wait_log("again", "step 10/300")
+    chief.send_signal(signal.SIGINT)  # the chief stops, waits for the worker, ends the job
+    assert again.wait(timeout=180) == 0, cluster.log("again")
+    assert chief.wait(timeout=120) == 130, cluster.log("chief")
+    assert ps.wait(timeout=60) == 0, cluster.log("ps")
+    report = cluster.result("chief")["cluster"]
+    assert report["lost_workers"] == []           # it came back and finished
+    assert report["rejoined_workers"] == ["worker:0"]
+    assert cluster.result("again")["steps"] == 300
+    assert "rejoined worker:0" in cluster.log("chief")
+    assert "lost workers   none" in cluster.log("chief")
+
+
+@pytest.mark.timeout(300)
+def test_the_global_steps_in_the_final_reports_agree(job):
+    cluster = job(steps=60)
+    ps = cluster.start("ps", "ps")
+    chief = cluster.start("chief", "chief", ("train.steps=200",))
+    worker = cluster.start("worker", "worker")
+    assert worker.wait(timeout=180) == 0, cluster.log("worker")
+    assert chief.wait(timeout=180) == 0, cluster.log("chief")
+    assert ps.wait(timeout=60) == 0
+    mine, final = cluster.result("worker")["cluster"], cluster.result("chief")["cluster"]
+    # the job's global step is every applied update; the chief reports it at the end
+    assert final["global_step"] == sum(final["updates"].values()) == 260
+    # the worker left earlier: its report says the step is the one when it finished
+    assert mine["global_step_when"] == "this worker finished"
+    assert final["global_step_when"] == "the job ended"
+    assert mine["global_step"] <= final["global_step"]
+    assert "when this worker finished" in cluster.log("worker")

@@ -1,0 +1,152 @@
+"""A parameter-server job over a network: ps:0, worker:0 (the chief) and worker:1 each in
+a network namespace of its own, joined by veth pairs (benchmarks/netns.py).
+
+Asynchronous workers interleave their pushes in arrival order, so the digest of a
+two-worker job is reproducible only when the workers take turns: worker:1 starts once
+the chief has done its steps (the chief waits for it at the end), and trains from the
+chief's values. Run that way over the namespaces and on loopback, the job must end on
+the same ``params_sha256``: the network moves every value bit for bit.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from csrun.core.runner.launch import free_ports
+
+_NETNS = Path(__file__).resolve().parents[2] / "benchmarks" / "netns.py"
+_spec = importlib.util.spec_from_file_location("csrun_bench_netns", _NETNS)
+netns = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(netns)
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
+dataset:
+  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
+  holdout: 0.25
+  steps:
+    - {op: shuffle, buffer: 256}
+    - {op: batch, size: 32}
+model: {kind: mlp, hidden: [16]}
+optimizer: {name: SGD, lr: 0.05, kwargs: {momentum: 0.9}}
+train: {steps: STEPS, log_every: 10}
+"""
+
+
+@pytest.fixture
+def hosts():
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    made = netns.Hosts(3)
+    try:
+        yield made
+    finally:  # namespaces and their links go even when the test fails
+        made.close()
+    assert not set(made.names) & set(subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+class Job:
+    """ps:0, worker:0 (chief), worker:1 as `csrun train` processes; ``place(task)`` wraps
+    a command to run it on its host (or leaves it on loopback)."""
+
+    def __init__(self, folder: Path, addresses: list[str], place, steps: int):
+        self.folder, self.place, self.steps = folder, place, steps
+        folder.mkdir(exist_ok=True)
+        (folder / "c.yaml").write_text(CONFIG.replace("STEPS", str(steps)))
+        self.cluster = {"ps": [addresses[0]], "worker": addresses[1:]}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, job: str, index: int, name: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
+        env.update(OMP_NUM_THREADS="1", TF_CONFIG=json.dumps(
+            {"cluster": self.cluster, "task": {"type": job, "index": index}}))
+        argv = [sys.executable, "-m", "csrun.cli.main", "train", "c.yaml", "--json",
+                f"{name}.json"]
+        proc = subprocess.Popen(self.place(job, index, argv), cwd=self.folder, env=env,
+                                stdout=open(self.folder / f"{name}.log", "w"),
+                                stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.folder / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_log(self, name: str, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log(name):
+            assert time.monotonic() < deadline, f"no {text!r} in {name}: {self.log(name)}"
+            time.sleep(0.05)
+
+    def result(self, name: str) -> dict:
+        return json.loads((self.folder / f"{name}.json").read_text())
+
+    def in_turns(self) -> dict:
+        """The chief trains its steps, then worker:1 trains its own; the chief's result."""
+        ps, chief = self.start("ps", 0, "ps"), self.start("worker", 0, "chief")
+        self.wait_log("chief", f"step {self.steps}/{self.steps}")  # it waits for worker:1
+        worker = self.start("worker", 1, "worker")
+        for proc, name in ((worker, "worker"), (chief, "chief"), (ps, "ps")):
+            assert proc.wait(timeout=180) == 0, self.log(name)
+        return self.result("chief")
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def on_hosts(hosts):
+    host = {"ps": 0, "worker": 1}
+    return lambda job, index, argv: hosts.command(host[job] + index, argv)
+
+
+@pytest.mark.timeout(400)
+def test_a_job_across_namespaces_ends_on_the_loopback_digest(hosts, tmp_path):
+    addresses = [f"{a}:2222" for a in hosts.addresses]
+    loopback = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    jobs = [Job(tmp_path / "net", addresses, on_hosts(hosts), 30),
+            Job(tmp_path / "lo", loopback, lambda job, index, argv: argv, 30)]
+    try:
+        over_net, on_loopback = (job.in_turns() for job in jobs)
+    finally:
+        for job in jobs:
+            job.kill_all()
+    assert over_net["cluster"]["updates"] == {"worker:0": 30, "worker:1": 30}
+    assert over_net["params_sha256"] == on_loopback["params_sha256"]
+    assert over_net["cluster"]["cluster"]["ps"] == [f"{netns.SUBNET}.1:2222"]
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_killed_in_its_namespace_restarts_and_rejoins(hosts, tmp_path):
+    job = Job(tmp_path, [f"{a}:2222" for a in hosts.addresses], on_hosts(hosts), 200)
+    try:
+        ps, chief = job.start("ps", 0, "ps"), job.start("worker", 0, "chief")
+        first = job.start("worker", 1, "worker")
+        job.wait_log("worker", "step 20/200")
+        chief.send_signal(signal.SIGSTOP)  # the chief holds still while worker:1 restarts
+        first.kill()
+        first.wait()
+        again = job.start("worker", 1, "again")
+        job.wait_log("again", "step 10/200")
+        chief.send_signal(signal.SIGCONT)
+        for proc, name in ((again, "again"), (chief, "chief"), (ps, "ps")):
+            assert proc.wait(timeout=180) == 0, job.log(name)
+    finally:
+        job.kill_all()
+    report = job.result("chief")["cluster"]
+    assert report["lost_workers"] == [] and report["rejoined_workers"] == ["worker:1"]
+    assert report["updates"]["worker:0"] == 200 and report["updates"]["worker:1"] >= 220
+    assert job.result("again")["steps"] == 200
