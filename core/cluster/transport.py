@@ -13,7 +13,11 @@ checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
 Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
 ``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
 ``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
-``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK``.
+``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK``; ``chief/beat``
+(the chief's heartbeat counter) and ``job/agree/NAME`` (what every task must agree on).
+
+Every store call is bounded (:class:`BoundedStore`): a ps that accepts connections but
+never answers (frozen, stopped) must not hang a task forever, deaf to its signals.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ import torch.distributed as dist
 
 from .resolvers import ClusterResolver
 
-__all__ = ["ParameterServerError"]
+__all__ = ["ParameterServerError", "ClusterMismatch", "Stopped"]
 
-REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED = range(1, 9)
+REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED = range(1, 10)
 _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
@@ -46,29 +50,120 @@ class ParameterServerError(RuntimeError):
 
 
 # -- the store ---------------------------------------------------------------------------
-def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float
-                  ) -> dist.TCPStore:
+class ClusterMismatch(ParameterServerError):
+    """This task's model or settings differ from the job's: it cannot take part."""
+
+
+class Stopped(Exception):
+    """A wait was given up because this task was asked to stop (a signal)."""
+
+    def __init__(self, waited_for: str):
+        super().__init__(f"stopped while waiting for {waited_for}")
+        self.waited_for = waited_for
+
+
+_SLICE = 0.1  # how long the caller waits at a time: a signal is heard within it
+
+
+def bounded(call: Callable[[], Any], timeout: float, what: str,
+            stop: threading.Event | None = None) -> Any:
+    """``call()`` on a helper thread, waited for in short slices, for at most ``timeout``
+    seconds (:class:`ParameterServerError` naming ``what``), or until ``stop`` is set
+    (:class:`Stopped`).
+
+    torch's store calls sit in C++ on a socket that a frozen peer never answers, ignoring
+    their own timeout and the signals of the thread that made them; waiting on a thread
+    keeps the main thread in Python, where signal handlers run. A call given up on stays
+    blocked on its (daemon) thread: the task is ending anyway.
+    """
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="csrun-store-call").start()
+    deadline = time.monotonic() + timeout
+    while not done.wait(_SLICE):
+        if stop is not None and stop.is_set():
+            raise Stopped(what)
+        if time.monotonic() > deadline:
+            raise ParameterServerError(f"{what} did not answer within {timeout:g} s "
+                                       "(strategy.timeout_s); is it frozen or overloaded?")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class BoundedStore:
+    """The job's TCPStore with every call :func:`bounded` by ``timeout``; ``raw`` is the
+    store itself (for process groups, whose own timeout bounds them).
+
+    ``fail(exc)`` turns a call's RuntimeError (a dead store) into the error to raise."""
+
+    def __init__(self, raw: dist.TCPStore, timeout: float, what: str,
+                 fail: Callable[[BaseException], BaseException] | None = None):
+        self.raw, self._timeout, self._what = raw, timeout, what
+        self._fail = fail
+
+    def __getattr__(self, name: str) -> Callable:
+        method = getattr(self.raw, name)
+
+        def call(*args, **kwargs):
+            try:
+                return bounded(lambda: method(*args, **kwargs), self._timeout, self._what)
+            except ParameterServerError:
+                raise
+            except RuntimeError as exc:
+                if self._fail is None:
+                    raise
+                raise self._fail(exc) from None
+        return call
+
+
+def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float,
+                  stop: threading.Event | None = None) -> dist.TCPStore:
     """The job's store at ``ps:0``'s address: hosted there, joined by every other task."""
     host, _, port = resolver.cluster_spec().task_address("ps", 0).rpartition(":")
+    where = f"the cluster's store at ps:0 ({host}:{port})"
     try:
-        return dist.TCPStore(host, int(port), is_master=is_master, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout))
+        return bounded(lambda: dist.TCPStore(
+            host, int(port), is_master=is_master, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout)), timeout, where, stop)
     except (RuntimeError, OSError) as exc:
+        if isinstance(exc, ParameterServerError):
+            raise
         role = "host" if is_master else "reach"
-        raise ParameterServerError(f"cannot {role} the cluster's store at ps:0 ({host}:{port}): "
-                                   f"{exc}") from None
+        raise ParameterServerError(f"cannot {role} {where}: {transport_error(exc)}"
+                                   ) from None
+
+
+def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:
+    """Publish ``value`` as what every task must agree on under ``name`` (the first task
+    to do so sets it); return who set it and what it is."""
+    mine = json.dumps({"task": task, "value": value}, sort_keys=True)
+    held = json.loads(store.compare_set(f"job/agree/{name}", "", mine))
+    return held["task"], held["value"]
 
 
 def poll_until(done: Callable[[], bool], deadline: float = float("inf"),
-               poll: float = 0.05) -> bool:
+               poll: float = 0.05, stop: threading.Event | None = None,
+               waiting_for: str = "") -> bool:
     """Call ``done`` every ``poll`` seconds until it is true (True) or the monotonic
-    ``deadline`` passes (False).
+    ``deadline`` passes (False); once ``stop`` is set, raise :class:`Stopped`.
 
     Polling, not ``TCPStore.wait``: a wait cannot also watch for an abort or do work
     between checks, logs C++ warnings when it times out, and its timeout is a
     RuntimeError like a dead store's, which callers must tell apart.
     """
     while not done():
+        if stop is not None and stop.is_set():
+            raise Stopped(waiting_for)
         if time.monotonic() > deadline:
             return False
         time.sleep(poll)
