@@ -228,3 +228,20 @@ def test_a_worker_with_another_model_is_told_what_differs():
         second.register([[(0, torch.zeros(32, 8), 0), (1, torch.zeros(32), 0)]])
     second.register([[(0, torch.ones(16, 8), 0), (1, torch.ones(16), 0)]])  # same: fine
     stop.set()
+
+
+# -- 3. what a dying ps prints -----------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_a_worker_whose_ps_dies_prints_csruns_one_line_without_cpp_frames(tmp_path, tasks):
+    """torch's C++ layer logged a warning and 10-50 frames for the broken store first."""
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    ps = tasks(tmp_path, cluster, "ps", 0, 10)
+    worker = tasks(tmp_path, cluster, "worker", 1, 10)  # polls the store for its chief
+    worker.wait_for(lambda: "waiting for the chief" in worker.text(), "waiting message")
+    ps.kill()
+    code, _ = worker.finish(timeout=60)
+    assert code == 1, worker.text()
+    lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: parameter server ps:0 (127.0.0.1:{ports[2]})")
