@@ -125,7 +125,8 @@ def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
     except BaseException as exc:
         # the chief ends the job even when it failed while setting up, or the ps tasks
         # would serve forever
-        role.abort(f"{joined.task} failed: {type(exc).__name__}: {exc}")
+        first = str(exc).splitlines()[0] if str(exc) else ""  # never torch's C++ frames
+        role.abort(f"{joined.task} failed: {type(exc).__name__}: {first}")
         if isinstance(exc, ClusterMismatch):  # a config problem: nothing of it ran
             raise ConfigError([Problem("model", str(exc), "run every task with the same "
                                        "config")]) from None
