@@ -8,6 +8,11 @@ import os
 # thread and the replicas share few cores; spinning workers made small runs 4x slower on
 # 2 busy cores (configs/per_replica.yaml: 9-12 s instead of 2.5 s). Set it to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads c10's logging: a broken store or gloo connection (a dead ps) logs a
+# warning with 10-50 lines of C++ frames before csrun's one-line error, which says what
+# happened. CSRUN_TRACEBACK=1 (or setting the variable yourself) shows them.
+if not os.environ.get("CSRUN_TRACEBACK"):
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 if __name__ == "__main__":  # `python -m csrun.cli.main` (launch's tasks): as the script,
     import sys  # noqa: E402 - which handles Ctrl-C before torch is imported

@@ -22,7 +22,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from csrun.core.runner.cluster_role import ClusterJoined, ServeResult
+from csrun.core.runner.cluster_role import ClusterJoined, ServeResult, StoppedWaiting
 from csrun.core.runner.events import (CheckpointSaved, Evaluated, Notice, RunResult, RunStarted,
                                StepDone, StepLog)
 from csrun.core.runner.launch import (LaunchPlan, LaunchResult, TaskExited, TaskOutput, TaskStarted,
@@ -318,9 +318,14 @@ class View:
             self._progress.stop()
             self._progress = None
 
-    def summary(self, result: RunResult | ServeResult) -> None:
+    def summary(self, result: RunResult | ServeResult | StoppedWaiting) -> None:
         """The end of a run: loss curve, metrics, throughput, replica balance, digest."""
         self.close()
+        if isinstance(result, StoppedWaiting):
+            self.out.print(f"csrun train: {result.task} stopped by {result.signal} after "
+                           f"{result.wall_s:.1f} s waiting for {result.waited_for}",
+                           soft_wrap=True)
+            return
         if isinstance(result, ServeResult):
             ended = "the chief ended the job" if result.status == "completed" else \
                 "stopped by a signal before the chief ended the job"

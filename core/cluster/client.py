@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 from typing import Callable
 
@@ -17,11 +18,12 @@ import torch
 import torch.distributed as dist
 
 from .resolvers import ClusterResolver
-from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER, STATE,
-                        Channel, ParameterServerError, connect_store, decode, encode,
-                        gloo_device, store_host,
-                        flat_by_dtype, pack_state, poll_until, settings_to_json,
-                        transport_error, unflatten_into, unpack_state)
+from .heartbeat import ChiefWatch, Heartbeat
+from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
+                        STATE, BoundedStore, Channel, ClusterMismatch, ParameterServerError,
+                        agree, bounded, connect_store, decode, encode, flat_by_dtype,
+                        gloo_device, pack_state, poll_until, settings_to_json,
+                        store_host, transport_error, unflatten_into, unpack_state)
 
 __all__ = ["ParameterServerClient", "placement"]
 
@@ -50,27 +52,17 @@ def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
     return owners
 
 
-class _JobStore:
+def _job_store(raw: dist.TCPStore, address: str, task: str, timeout: float) -> BoundedStore:
     """The job's TCPStore as a worker uses it for bookkeeping (steps, joins, who is lost).
 
     ps:0 hosts it, so when ps:0 dies every call fails with a transport error wherever the
     worker happens to be (counting a step, say); each becomes the same clear
-    ParameterServerError as a dead ps's channel gives. Channels use ``raw``: their
-    errors name the ps they talk to."""
-
-    def __init__(self, raw: dist.TCPStore, address: str, task: str):
-        self.raw, self._address, self._task = raw, address, task
-
-    def __getattr__(self, name: str):
-        method = getattr(self.raw, name)
-
-        def call(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            except RuntimeError as exc:
-                raise _stopped_answering(f"ps:0 ({self._address}), which holds the job's "
-                                         "store,", self._task, exc) from None
-        return call
+    ParameterServerError as a dead ps's channel gives, and a call that gets no answer
+    gives up after ``timeout``. Channels use ``raw``: their errors name the ps they
+    talk to."""
+    where = f"ps:0 ({address}), which holds the job's store,"
+    return BoundedStore(raw, timeout, f"parameter server {where}",
+                        lambda exc: _stopped_answering(where, task, exc))
 
 
 def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServerError:
@@ -81,31 +73,47 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
 class ParameterServerClient:
     """A worker's connection to every ps task."""
 
-    def __init__(self, resolver: ClusterResolver, timeout: float = 120.0):
+    def __init__(self, resolver: ClusterResolver, timeout: float = 120.0,
+                 stop: threading.Event | None = None, chief: str | None = None):
+        """``stop``: set (by a signal), it ends the waits for the ps tasks and the chief
+        (:class:`~.transport.Stopped`). ``chief``: the chief task, whose heartbeat this
+        worker watches (the chief itself beats)."""
         self._resolver = resolver
         self.task = f"{resolver.task_type}:{resolver.task_id}"
         self.num_ps = resolver.cluster_spec().num_tasks("ps")
-        self._store = _JobStore(connect_store(resolver, False, timeout),
-                                resolver.cluster_spec().task_address("ps", 0), self.task)
-        self._timeout = timeout
+        self._timeout, self._stop = timeout, stop
+        self._store = _job_store(connect_store(resolver, False, timeout, stop),
+                                 resolver.cluster_spec().task_address("ps", 0), self.task,
+                                 timeout)
         self._channels: list[Channel] = []
         self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
         self._connect()
+        is_chief = chief == self.task
+        self._heartbeat = Heartbeat(self._store.raw) if is_chief else None
+        self._watch = ChiefWatch(self._store, chief, timeout) if chief and not is_chief \
+            else None
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self._timeout
         for k in range(self.num_ps):
-            if not poll_until(self._is_set(f"ps/{k}/ready"), deadline):
+            if not poll_until(self._is_set(f"ps/{k}/ready"), deadline, stop=self._stop,
+                              waiting_for=f"ps:{k}"):
                 raise ParameterServerError(f"ps:{k} did not come up within "
-                                           f"{self._timeout:.0f} s")
+                                           f"{self._timeout:g} s (strategy.timeout_s)")
         name = f"{self.task}#{self.incarnation}"
         for k in range(self.num_ps):
             slot = self._store.add(f"ps/{k}/joins", 1)
             self._store.set(f"ps/{k}/join/{slot}", name)
         timeout = datetime.timedelta(seconds=self._timeout)
         device = gloo_device(store_host(self._resolver))
-        self._channels = [Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout, device)
+        self._channels = [bounded(lambda k=k: Channel(self._store.raw, f"chan/{k}/{name}", 1,
+                                                      timeout, device),
+                                  self._timeout + 5, f"ps:{k}'s channel", self._stop)
                           for k in range(self.num_ps)]
+
+    def agree(self, name: str, value: dict) -> tuple[str, dict]:
+        """Publish what every task must agree on (:func:`~.transport.agree`)."""
+        return agree(self._store, name, self.task, value)
 
     def _is_set(self, key: str) -> Callable[[], bool]:
         return lambda: self._store.check([key])
@@ -117,8 +125,10 @@ class ParameterServerClient:
         except RuntimeError as exc:
             address = self._resolver.cluster_spec().task_address("ps", k)
             raise _stopped_answering(f"ps:{k} ({address})", self.task, exc) from None
-        if answer == ABORTED:
-            raise ParameterServerError(f"the chief ended the job: {decode(reply[0])}")
+        if answer == ABORTED:  # the ps says why the job ended
+            raise ParameterServerError(decode(reply[0]))
+        if answer == REFUSED:  # this worker's model is not the job's
+            raise ClusterMismatch(decode(reply[0]))
         return reply
 
     # -- variables -------------------------------------------------------------------------
@@ -171,6 +181,8 @@ class ParameterServerClient:
 
     # -- job bookkeeping -------------------------------------------------------------------
     def count_step(self) -> int:
+        if self._watch is not None:
+            self._watch.check()  # a dead chief ends this worker too
         return self._store.add("global_step", 1)
 
     def set_global_step(self, step: int) -> None:
@@ -206,24 +218,37 @@ class ParameterServerClient:
         ``info`` (JSON data, e.g. where training starts) goes to the other workers."""
         self._store.set("job/initialized", json.dumps(info or {}))
 
-    def wait_initialized(self, timeout: float) -> dict:
+    def wait_initialized(self, timeout: float,
+                         waiting: Callable[[float], None] | None = None) -> dict:
         """Other workers: wait until the chief has initialized (or restored) the
         variables, as TF's non-chief workers wait for the chief's session; returns the
-        chief's ``info``."""
+        chief's ``info``. ``waiting(seconds_left)`` hears at once, then every 10 s."""
+        deadline = time.monotonic() + timeout
+        told = [float("-inf")]
+
         def initialized() -> bool:
             if self._store.check(["job/aborted"]):  # the chief failed before initializing
                 raise ParameterServerError(f"the job was aborted: "
                                            f"{self._store.get('job/aborted').decode()}")
-            return self._store.check(["job/initialized"])
+            if self._watch is not None:
+                self._watch.check()
+            done = self._store.check(["job/initialized"])
+            now = time.monotonic()
+            if not done and waiting is not None and now - told[0] >= 10.0:
+                told[0] = now
+                waiting(deadline - now)
+            return done
 
-        if not poll_until(initialized, time.monotonic() + timeout):
+        if not poll_until(initialized, deadline, stop=self._stop, waiting_for="the chief"):
             raise ParameterServerError(f"the chief did not initialize the variables "
-                                       f"within {timeout:.0f} s; is it running?")
+                                       f"within {timeout:g} s; is it running?")
         return json.loads(self._store.get("job/initialized"))
 
     def abort(self, reason: str) -> None:
         """Chief: end the job after a failure; each ps answers the workers' next
         message with ``reason`` (they fail with it) and stops."""
+        if self._heartbeat is not None:
+            self._heartbeat.close()
         try:
             self._store.set("job/aborted", reason[:500])
             self._store.set("job/done", "1")
@@ -232,6 +257,8 @@ class ParameterServerClient:
 
     def finish(self) -> None:
         """Say goodbye to every ps (this worker is done)."""
+        if self._heartbeat is not None:
+            self._heartbeat.close()
         for channel in self._channels:
             try:
                 channel.send(BYE, [])

@@ -116,7 +116,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
     """The engine of a ParameterServerStrategy task (worker, chief or ps)."""
 
     def __init__(self, container, compute, parameter, options, resolver: ClusterResolver | None,
-                 variable_placement: str, timeout: float):
+                 variable_placement: str, timeout: float, stop: threading.Event | None = None):
         self._resolver = resolver
         self._ps_server: ParameterServer | None = None
         self._lost: list[str] | None = None
@@ -130,11 +130,12 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
                 [f"worker:{i}" for i in range(spec.num_tasks("worker"))]
             workers = len(self._worker_tasks)
             me = f"{self._task_type}:{self._task_id}"
+            chief = self._worker_tasks[0]  # chief:0, else worker:0: its heartbeat is watched
             if self._task_type == "ps":
-                self._ps_server = ParameterServer(resolver, timeout)
+                self._ps_server = ParameterServer(resolver, timeout, stop, chief)
             elif me in self._worker_tasks:
                 index = self._worker_tasks.index(me)
-                client = ParameterServerClient(resolver, timeout)
+                client = ParameterServerClient(resolver, timeout, stop, chief)
                 store = RemoteParameterStore(parameter, compute, options.copy_parameters,
                                              client, variable_placement)
             else:
@@ -156,6 +157,11 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         return self._task_type == "chief" or (
             self._task_type == "worker" and self._task_id == 0
             and "chief:0" not in self._worker_tasks)
+
+    @property
+    def chief_task(self) -> str:
+        """The chief's name: ``chief:0``, else ``worker:0``."""
+        return self._worker_tasks[0] if self._resolver is not None else "worker:0"
 
     @property
     def should_checkpoint(self) -> bool:
@@ -234,11 +240,19 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         ``info`` (JSON data) reaches them through :meth:`wait_for_chief`."""
         self._remote().client.mark_initialized(info)
 
-    def wait_for_chief(self, timeout: float = 600.0) -> dict:
+    def wait_for_chief(self, timeout: float = 600.0,
+                       waiting: Callable[[float], None] | None = None) -> dict:
         """Non-chief workers: wait until the chief has initialized or restored the
         variables (:meth:`mark_initialized`), as TF's workers wait for the chief; returns
-        the chief's ``info``."""
-        return self._remote().client.wait_initialized(timeout)
+        the chief's ``info``. ``waiting(seconds_left)`` hears at once and every 10 s."""
+        return self._remote().client.wait_initialized(timeout, waiting)
+
+    def agree(self, name: str, value: dict) -> tuple[str, dict]:
+        """Publish ``value`` as what every task must agree on under ``name`` (the first
+        task's wins); returns that task and its value, to compare with ``value``."""
+        if self._ps_server is not None:
+            return self._ps_server.agree(name, value)
+        return self._remote().client.agree(name, value)
 
     def abort(self, reason: str) -> None:
         """Chief: end the job after a failure; the ps tasks stop and workers that push
@@ -327,8 +341,11 @@ class ParameterServerStrategy(Strategy):
       compute_devices: the local replicas' devices instead of ``num_gpus_per_worker``
         (e.g. ``["CPU:0", "CPU:1"]`` for two logical CPU replicas per worker).
       variable_placement: ``"round_robin"`` (TF) or ``"balanced"`` (by size).
-      timeout: seconds to wait for the parameter servers.
+      timeout: seconds to wait for the parameter servers, and the bound of every store
+        call and of the chief's silence (heartbeat) before a task gives up.
       options: csrun engine settings.
+      stop: an event a signal handler sets: the waits for the ps tasks and the chief
+        then end with :class:`~csrun.core.cluster.transport.Stopped`.
 
     Example (a worker; the same program runs on every task with its own ``TF_CONFIG``)::
 
@@ -346,7 +363,8 @@ class ParameterServerStrategy(Strategy):
                  num_gpus_per_worker: int = 0, *, cluster_spec=None, task_type=None,
                  task_id=None, compute_devices: Iterable | None = None,
                  variable_placement: str = "round_robin", timeout: float = 120.0,
-                 options: StrategyOptions | None = None):
+                 options: StrategyOptions | None = None,
+                 stop: threading.Event | None = None):
         resolver = _resolve_cluster(cluster_resolver, cluster_spec, task_type, task_id)
         if compute_devices is not None:
             compute = resolve_devices(compute_devices)
@@ -361,7 +379,7 @@ class ParameterServerStrategy(Strategy):
                              f"{variable_placement!r}")
         super().__init__(ParameterServerClusterExtended(
             self, compute, parameter, options or StrategyOptions(), resolver,
-            variable_placement, timeout))
+            variable_placement, timeout, stop))
 
     def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
         if session_config is not None:

@@ -15,24 +15,36 @@ import time
 
 import torch
 
+from .heartbeat import ChiefGone, ChiefWatch
 from .resolvers import ClusterResolver
-from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL, REGISTER,
-                        STATE, Channel, connect_store, decode, encode, flat_by_dtype,
-                        gloo_device, store_host,
-                        pack_state, poll_until, settings_from_json, unflatten_into,
+from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
+                        REGISTER, STATE, BoundedStore, Channel, agree, connect_store, decode,
+                        encode, flat_by_dtype, gloo_device, pack_state, poll_until,
+                        settings_from_json, store_host, transport_error, unflatten_into,
                         unpack_state, views_like)
 
 __all__ = ["ParameterServer"]
 
 
+class _Refused(Exception):
+    """A worker's request that cannot be served (its model is not the job's)."""
+
+
 class ParameterServer:
     """A ``ps`` task: holds a shard of the variables and applies pushed gradients."""
 
-    def __init__(self, resolver: ClusterResolver, timeout: float = 60.0):
+    def __init__(self, resolver: ClusterResolver, timeout: float = 60.0,
+                 stop: threading.Event | None = None, chief: str | None = None):
+        """``stop``: set (by a signal), it ends the wait for the store; ``chief``: the
+        task whose heartbeat ends the job when it stops (see :mod:`.heartbeat`)."""
         if resolver.task_type != "ps":
             raise ValueError(f"task {resolver.task_type}:{resolver.task_id} is not a ps task")
         self.task_id = resolver.task_id
-        self._store = connect_store(resolver, resolver.task_id == 0, timeout)
+        address = resolver.cluster_spec().task_address("ps", 0)
+        self._store = BoundedStore(connect_store(resolver, resolver.task_id == 0, timeout,
+                                                 stop),
+                                   timeout, f"the cluster's store at ps:0 ({address})")
+        self._watch = ChiefWatch(self._store, chief, timeout) if chief else None
         self._device = gloo_device(store_host(resolver))
         self._vars: dict[int, torch.Tensor] = {}
         self._groups: dict[int, int] = {}
@@ -58,14 +70,27 @@ class ParameterServer:
 
         def done() -> bool:
             self._accept_joins()
+            if self._watch is not None:
+                self._watch.check()
             return self._store.check(["job/done"])
 
         stopping = stop.is_set if stop is not None else lambda: False
-        poll_until(lambda: done() or stopping(), poll=poll)
-        if not poll_until(done, time.monotonic() + grace, poll):
-            return False
+        try:
+            poll_until(lambda: done() or stopping(), poll=poll)
+            if not poll_until(done, time.monotonic() + grace, poll):
+                return False
+        except ChiefGone as exc:  # nobody will end the job: end it, and tell the workers
+            self._store.set("job/aborted", str(exc)[:500])
+            self._store.set("job/done", "1")
+            self._aborted = str(exc)
+            self._close(poll, close_timeout)
+            raise
         self._close(poll, close_timeout)
         return True
+
+    def agree(self, name: str, value: dict) -> tuple[str, dict]:
+        """Publish what every task must agree on (:func:`~.transport.agree`)."""
+        return agree(self._store, name, f"ps:{self.task_id}", value)
 
     def _accept_joins(self) -> None:
         joined = self._store.add(f"ps/{self.task_id}/joins", 0)
@@ -78,8 +103,11 @@ class ParameterServer:
             self._threads.append(thread)
 
     def _close(self, poll: float, close_timeout: float) -> None:
-        if self._store.check(["job/aborted"]):  # the chief failed: tell the workers why
-            self._aborted = self._store.get("job/aborted").decode()
+        if self._aborted is not None or self._store.check(["job/aborted"]):
+            # the chief failed (or is gone): tell the workers why
+            if self._aborted is None:
+                self._aborted = f"the chief ended the job: " \
+                    f"{self._store.get('job/aborted').decode()}"
             deadline = time.monotonic() + 10.0
             for thread in self._threads:  # each ends when its worker hears and exits
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -96,7 +124,7 @@ class ParameterServer:
     def _connection(self, name: str) -> None:
         worker = name.rsplit("#", 1)[0]
         try:
-            channel = Channel(self._store, f"chan/{self.task_id}/{name}", 0, FOREVER,
+            channel = Channel(self._store.raw, f"chan/{self.task_id}/{name}", 0, FOREVER,
                               self._device)
             while True:
                 op, payload = channel.recv()
@@ -106,11 +134,17 @@ class ParameterServer:
                 if self._aborted is not None:
                     channel.send(ABORTED, [encode(self._aborted)])
                     continue
-                channel.send(op, self._answer(op, payload, worker))
+                try:
+                    answer = self._answer(op, payload, worker)
+                except _Refused as refused:
+                    channel.send(REFUSED, [encode(str(refused))])
+                    continue
+                channel.send(op, answer)
         except RuntimeError as exc:  # the peer died or its connection broke
             # which incarnation died: a restarted worker (a later one) is not lost
             self._store.set(f"lost_incarnation/{worker}", name.rsplit("#", 1)[1])
-            self._store.set(f"lost/{worker}", f"ps:{self.task_id} lost {name}: {exc}"[:500])
+            self._store.set(f"lost/{worker}",
+                            f"ps:{self.task_id} lost {name}: {transport_error(exc)}"[:500])
 
     def _answer(self, op: int, payload: list[torch.Tensor], worker: str) -> list[torch.Tensor]:
         with self._lock:
@@ -133,14 +167,31 @@ class ParameterServer:
         return flat_by_dtype([self._vars[i] for i in sorted(self._vars)]) if self._vars else []
 
     def _register(self, meta: dict, flats: list[torch.Tensor]) -> None:
-        if self._vars:  # the first worker's values initialize the shard; later ones pull
-            return
         specs = sorted(meta["vars"], key=lambda v: v["id"])
+        if self._vars:  # the first worker's values initialize the shard; later ones pull
+            self._check_same_model(specs)
+            return
         variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for v in specs]
         unflatten_into(variables, flats)
         for spec, tensor in zip(specs, variables):
             self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
             self._groups[spec["id"]] = spec.get("group", 0)
+
+    def _check_same_model(self, specs: list[dict]) -> None:
+        """A worker whose model differs from the first one's would push gradients that do
+        not fit: refuse it, naming the first variable that differs."""
+        theirs = {v["id"]: (v["dtype"], list(v["shape"])) for v in specs}
+        ours = {i: (str(t.dtype).replace("torch.", ""), list(t.shape))
+                for i, t in self._vars.items()}
+        for var_id in sorted(set(ours) | set(theirs)):
+            if ours.get(var_id) != theirs.get(var_id):
+                def shown(spec):
+                    return f"{spec[0]} {spec[1]}" if spec else "none"
+                raise _Refused(
+                    f"this worker's model differs from the job's: variable {var_id} (in "
+                    f"creation order) on ps:{self.task_id} is {shown(ours.get(var_id))} in "
+                    f"the job, {shown(theirs.get(var_id))} here; every worker must build "
+                    "the same model")
 
     def _make_optimizer(self, spec: dict) -> None:
         if self._optimizer is not None or not self._vars:

@@ -14,7 +14,12 @@ Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/read
 ``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
 ``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
 ``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK`` and
-``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined).
+``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined);
+``chief/beat`` (the chief's heartbeat counter) and ``job/agree/NAME`` (what every
+task must agree on).
+
+Every store call is bounded (:class:`BoundedStore`): a ps that accepts connections but
+never answers (frozen, stopped) must not hang a task forever, deaf to its signals.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import datetime
 import io
 import json
 import os
+import queue
 import re
 import socket
 import threading
@@ -34,9 +40,9 @@ import torch.distributed as dist
 
 from .resolvers import ClusterResolver
 
-__all__ = ["ParameterServerError"]
+__all__ = ["ParameterServerError", "ClusterMismatch", "Stopped"]
 
-REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED = range(1, 9)
+REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED = range(1, 10)
 _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
@@ -53,29 +59,144 @@ def store_host(resolver: ClusterResolver) -> str:
     return resolver.cluster_spec().task_address("ps", 0).rpartition(":")[0]
 
 
-def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float
-                  ) -> dist.TCPStore:
+class ClusterMismatch(ParameterServerError):
+    """This task's model or settings differ from the job's: it cannot take part."""
+
+
+class Stopped(Exception):
+    """A wait was given up because this task was asked to stop (a signal)."""
+
+    def __init__(self, waited_for: str):
+        super().__init__(f"stopped while waiting for {waited_for}")
+        self.waited_for = waited_for
+
+
+_SLICE = 0.1  # how long the caller waits at a time: a signal is heard within it
+
+
+class _Caller:
+    """Runs blocking calls on one daemon thread of its own; :meth:`call` waits for each
+    in short slices, for at most ``timeout`` seconds or until ``stop`` is set.
+
+    torch's store calls sit in C++ on a socket that a frozen peer never answers, ignoring
+    their own timeout and the signals of the thread that made them; waiting on another
+    thread keeps the caller in Python, where signal handlers run. One long-lived thread,
+    not one per call: a store call is on every training step (a thread per call cost
+    0.6 ms, a hand-over 0.05 ms). A call given up on leaves the thread blocked for good,
+    so every later call fails at once with the same error: the task is ending anyway.
+    """
+
+    def __init__(self, name: str = "csrun-store-call"):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stuck: ParameterServerError | None = None
+        threading.Thread(target=self._serve, daemon=True, name=name).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, box, done = self._queue.get()
+            try:
+                box["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            done.set()
+
+    def call(self, call: Callable[[], Any], timeout: float, what: str,
+             stop: threading.Event | None = None) -> Any:
+        if self._stuck is not None:
+            raise self._stuck
+        box: dict = {}
+        done = threading.Event()
+        self._queue.put((call, box, done))
+        deadline = time.monotonic() + timeout
+        while not done.wait(_SLICE):
+            if stop is not None and stop.is_set():
+                self._stuck = ParameterServerError(f"{what} is still busy with a call "
+                                                   "given up on")
+                raise Stopped(what)
+            if time.monotonic() > deadline:
+                self._stuck = ParameterServerError(
+                    f"{what} did not answer within {timeout:g} s (strategy.timeout_s); is "
+                    "it frozen or overloaded?")
+                raise self._stuck
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+
+def bounded(call: Callable[[], Any], timeout: float, what: str,
+            stop: threading.Event | None = None) -> Any:
+    """``call()`` (a blocking torch.distributed call) for at most ``timeout`` seconds
+    (:class:`ParameterServerError` naming ``what``), or until ``stop`` is set
+    (:class:`Stopped`), on a thread of its own (see :class:`_Caller`)."""
+    return _Caller().call(call, timeout, what, stop)
+
+
+class BoundedStore:
+    """The job's TCPStore with every call bounded by ``timeout`` (see :class:`_Caller`);
+    ``raw`` is the store itself (for process groups, whose own timeout bounds them).
+
+    ``fail(exc)`` turns a call's RuntimeError (a dead store) into the error to raise."""
+
+    def __init__(self, raw: dist.TCPStore, timeout: float, what: str,
+                 fail: Callable[[BaseException], BaseException] | None = None):
+        self.raw, self._timeout, self._what = raw, timeout, what
+        self._fail = fail
+        self._caller = _Caller()
+
+    def __getattr__(self, name: str) -> Callable:
+        method = getattr(self.raw, name)
+
+        def call(*args, **kwargs):
+            try:
+                return self._caller.call(lambda: method(*args, **kwargs), self._timeout,
+                                         self._what)
+            except ParameterServerError:
+                raise
+            except RuntimeError as exc:
+                if self._fail is None:
+                    raise
+                raise self._fail(exc) from None
+        return call
+
+
+def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float,
+                  stop: threading.Event | None = None) -> dist.TCPStore:
     """The job's store at ``ps:0``'s address: hosted there, joined by every other task."""
     host, _, port = resolver.cluster_spec().task_address("ps", 0).rpartition(":")
+    where = f"the cluster's store at ps:0 ({host}:{port})"
     try:
-        return dist.TCPStore(host, int(port), is_master=is_master, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout))
+        return bounded(lambda: dist.TCPStore(
+            host, int(port), is_master=is_master, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout)), timeout, where, stop)
     except (RuntimeError, OSError) as exc:
+        if isinstance(exc, ParameterServerError):
+            raise
         role = "host" if is_master else "reach"
-        raise ParameterServerError(f"cannot {role} the cluster's store at ps:0 ({host}:{port}): "
-                                   f"{exc}") from None
+        raise ParameterServerError(f"cannot {role} {where}: {transport_error(exc)}"
+                                   ) from None
+
+
+def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:
+    """Publish ``value`` as what every task must agree on under ``name`` (the first task
+    to do so sets it); return who set it and what it is."""
+    mine = json.dumps({"task": task, "value": value}, sort_keys=True)
+    held = json.loads(store.compare_set(f"job/agree/{name}", "", mine))
+    return held["task"], held["value"]
 
 
 def poll_until(done: Callable[[], bool], deadline: float = float("inf"),
-               poll: float = 0.05) -> bool:
+               poll: float = 0.05, stop: threading.Event | None = None,
+               waiting_for: str = "") -> bool:
     """Call ``done`` every ``poll`` seconds until it is true (True) or the monotonic
-    ``deadline`` passes (False).
+    ``deadline`` passes (False); once ``stop`` is set, raise :class:`Stopped`.
 
     Polling, not ``TCPStore.wait``: a wait cannot also watch for an abort or do work
     between checks, logs C++ warnings when it times out, and its timeout is a
     RuntimeError like a dead store's, which callers must tell apart.
     """
     while not done():
+        if stop is not None and stop.is_set():
+            raise Stopped(waiting_for)
         if time.monotonic() > deadline:
             return False
         time.sleep(poll)

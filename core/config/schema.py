@@ -140,8 +140,10 @@ class ParameterServerConfig(_Section):
         "fewest bytes so far).")
     timeout_s: float = Field(
         120.0, gt=0, description="Seconds a task waits for the parameter servers to come "
-        "up; after a first Ctrl-C or SIGTERM, how long a ps keeps serving so that the chief "
-        "can write its last checkpoint.")
+        "up, and for any answer of the job's store; how long the chief's heartbeat may "
+        "stand still before the ps tasks and workers end the job; after a first Ctrl-C or "
+        "SIGTERM, how long a ps keeps serving so that the chief can write its last "
+        "checkpoint.")
     execution: Literal["auto", "ordered", "concurrent"] = Field(
         "auto", description=_EXECUTION + " (Within one worker.)")
     copy_parameters: bool = Field(False, description=_COPY)

@@ -32,14 +32,16 @@ from typing import Any, Callable
 import torch
 
 from ..config.cluster import cluster_resolver
+from ..config.problems import ConfigError, Problem
 from .events import Notice, RunResult
-from ..cluster.transport import ParameterServerError
+from ..cluster.heartbeat import ChiefGone
+from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
-from .session import Outputs, RunError, Session, run_session
+from .session import Outputs, RunError, Session, _identity, run_session
 from ..distribute.strategy import StrategyOptions
 
 __all__ = ["run_task", "connect", "ClusterRole", "ClusterJoined", "ClusterRunResult",
-           "ServeResult"]
+           "ServeResult", "StoppedWaiting"]
 
 
 @dataclasses.dataclass
@@ -80,12 +82,39 @@ class ServeResult:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass
+class StoppedWaiting:
+    """What a task reports when a signal stopped it while it waited (for the ps tasks,
+    the store, the chief) before it had any part in the job."""
+
+    task: str
+    waited_for: str
+    wall_s: float
+    status: str = "interrupted"
+    signal: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
-             stop: threading.Event) -> ClusterRunResult | ServeResult:
+             stop: threading.Event) -> ClusterRunResult | ServeResult | StoppedWaiting:
     """Connect to the cluster and play this task's part (:func:`csrun.core.runner.train.train`
     calls it for ``strategy.kind: parameter_server``)."""
-    strategy = connect(config)
+    begin = time.perf_counter()
+    try:
+        return _play(config, resume, outputs, emit, stop)
+    except Stopped as exc:  # a signal while waiting: a clean stop, nothing to save
+        resolver = cluster_resolver(config.strategy)
+        return StoppedWaiting(f"{resolver.task_type}:{resolver.task_id}", exc.waited_for,
+                              time.perf_counter() - begin)
+
+
+def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
+          stop: threading.Event) -> ClusterRunResult | ServeResult:
+    strategy = connect(config, stop)
     joined = _joined(strategy, config)
+    _agree_on_the_job(strategy, config, joined.task)
     emit(joined)
     if strategy.extended.is_ps:
         return _serve(strategy, config, joined, stop)
@@ -96,16 +125,21 @@ def run_task(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None]
     except BaseException as exc:
         # the chief ends the job even when it failed while setting up, or the ps tasks
         # would serve forever
-        role.abort(f"{joined.task} failed: {type(exc).__name__}: {exc}")
+        first = str(exc).splitlines()[0] if str(exc) else ""  # never torch's C++ frames
+        role.abort(f"{joined.task} failed: {type(exc).__name__}: {first}")
+        if isinstance(exc, ClusterMismatch):  # a config problem: nothing of it ran
+            raise ConfigError([Problem("model", str(exc), "run every task with the same "
+                                       "config")]) from None
         if isinstance(exc, ParameterServerError):
             note = session.checkpoint_note() if session else "no checkpoint was written"
             raise RunError(f"{exc}; {note}") from None
         raise
 
 
-def connect(config) -> ParameterServerStrategy:
+def connect(config, stop: threading.Event | None = None) -> ParameterServerStrategy:
     """The ParameterServerStrategy of a parameter-server config's task, connected to its
-    cluster (a ps task hosts or joins the store; a worker waits for the ps tasks).
+    cluster (a ps task hosts or joins the store; a worker waits for the ps tasks);
+    ``stop`` (set by a signal) ends the waits with :class:`~csrun.core.cluster.transport.Stopped`.
 
     Raises:
       RunError: the parameter servers cannot be reached (or, on ps:0, its address hosted).
@@ -115,9 +149,37 @@ def connect(config) -> ParameterServerStrategy:
         return ParameterServerStrategy(
             cluster_resolver(s), s.num_gpus_per_worker, compute_devices=s.compute_devices,
             variable_placement=s.variable_placement, timeout=s.timeout_s,
-            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution))
+            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution),
+            stop=stop)
     except ParameterServerError as exc:
         raise RunError(str(exc)) from None
+
+
+def job_settings(config) -> dict[str, Any]:
+    """What every task of a job must agree on, as dotted keys: the model, optimizer,
+    data and seed (a checkpoint's identity), how long it trains, and where variables go.
+    Not the devices: each machine has its own."""
+    settings = {k: v for k, v in _identity(config, 0).items() if k != "strategy.replicas"}
+    settings.update({"train.steps": config.train.steps, "train.epochs": config.train.epochs,
+                     "strategy.variable_placement": config.strategy.variable_placement})
+    return settings
+
+
+def _agree_on_the_job(strategy: ParameterServerStrategy, config, task: str) -> None:
+    """Refuse (exit 2) a task whose job-defining settings differ from the first task's:
+    it would train another model, or for another number of steps, silently."""
+    mine = job_settings(config)
+    try:
+        first, theirs = strategy.extended.agree("settings", mine)
+    except ParameterServerError as exc:
+        raise RunError(str(exc)) from None
+    differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if differ:
+        raise ConfigError([Problem(key, f"{task}'s config differs from {first}'s, which "
+                                   f"joined the job first: {first} has "
+                                   f"{theirs.get(key)!r}, {task} has {mine.get(key)!r}",
+                                   "every task of a job must run the same config")
+                           for key in differ])
 
 
 def _joined(strategy: ParameterServerStrategy, config) -> ClusterJoined:
@@ -135,6 +197,10 @@ def _serve(strategy, config, joined: ClusterJoined, stop: threading.Event) -> Se
     begin = time.perf_counter()
     try:
         ended = strategy.extended.join(stop=stop, grace=config.strategy.timeout_s)
+    except ChiefGone as exc:  # nobody would end the job: this ps ended it
+        raise RunError(f"{joined.task}: {exc}; the ps ended the job") from None
+    except ParameterServerError as exc:  # ps:0's store stopped answering
+        raise RunError(f"{joined.task}: {exc}") from None
     except RuntimeError as exc:  # the store on ps:0 went away: the job is over
         raise RunError(f"{joined.task} lost the cluster's store on ps:0: "
                        f"{str(exc).splitlines()[0][:200]}") from None
@@ -183,11 +249,18 @@ class ClusterRole:
                 self._restored = None
             self.ext.mark_initialized(where)
             return where
-        start = self.ext.wait_for_chief(max(self.config.strategy.timeout_s, 600.0))
+        timeout = max(self.config.strategy.timeout_s, 600.0)
+        start = self.ext.wait_for_chief(timeout, self._waiting)
         if start["step"]:
             self.emit(Notice(f"starting at the chief's step {start['step']} (epoch "
                              f"{start['epoch']}, batch {start['position']})"))
         return start
+
+    def _waiting(self, seconds_left: float) -> None:
+        chief = self.ext.chief_task
+        until = time.strftime("%H:%M:%S", time.localtime(time.time() + seconds_left))
+        self.emit(Notice(f"waiting for the chief {chief} to initialize the variables "
+                         f"(until {until}, {seconds_left:.0f} s more)"))
 
     def logged(self) -> None:
         if self.is_chief:

@@ -185,9 +185,10 @@ def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
     aborted = []
     extended = types.SimpleNamespace(is_ps=False, is_chief=True, abort=aborted.append)
     monkeypatch.setattr(cluster_runner, "connect",
-                        lambda config: types.SimpleNamespace(extended=extended))
+                        lambda config, stop: types.SimpleNamespace(extended=extended))
     monkeypatch.setattr(cluster_runner, "_joined",
                         lambda strategy, config: types.SimpleNamespace(task="worker:0"))
+    monkeypatch.setattr(cluster_runner, "_agree_on_the_job", lambda *args: None)
 
     def broken_session(*args):
         raise OSError("data file vanished")
@@ -210,7 +211,7 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
     client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
-    client._store = store
+    client._store, client._stop, client._watch = store, None, None
     threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
     begin = time.monotonic()
     with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
@@ -229,7 +230,7 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     import torch.distributed as dist
 
     from csrun.core.runner.launch import free_ports
-    from csrun.core.cluster.client import ParameterServerClient, _JobStore
+    from csrun.core.cluster.client import ParameterServerClient, _job_store
     from csrun.core.cluster.transport import ParameterServerError
 
     (port,) = free_ports(1)
@@ -241,7 +242,8 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
         assert host.stdout.readline().strip() == "up"
         raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
         client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
-        client._store = _JobStore(raw, f"127.0.0.1:{port}", "worker:1")
+        client._store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
+        client._watch = None
         assert client.count_step() == 1
         host.kill()
         host.wait()

@@ -1,0 +1,247 @@
+"""Hand-started parameter-server tasks (one ``csrun train`` per task, each with its own
+TF_CONFIG) against the faults of issue 15: a frozen ps, a dead or absent chief, tasks
+that disagree on the model or the config, and what a dying ps prints.
+
+Every wait of the tasks has a bound; so does every wait here.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from csrun.core.cluster.resolvers import SimpleClusterResolver
+from csrun.core.cluster.server import ParameterServer
+from csrun.core.cluster.client import ParameterServerClient
+from csrun.core.cluster.transport import ClusterMismatch
+from csrun.core.runner.launch import free_ports
+
+CONFIG = """\
+strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: TIMEOUT}
+dataset:
+  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
+  steps:
+    - {op: batch, size: 32}
+model: {kind: mlp, hidden: [16]}
+optimizer: {name: SGD, lr: 0.05}
+train: {steps: 100000, log_every: 10}
+"""
+
+
+class Task:
+    """One ``csrun train`` task of ``cluster`` in ``folder``; output in TASK.out/.err."""
+
+    def __init__(self, folder: Path, cluster: dict, job: str, index: int, timeout: float,
+                 *overrides: str):
+        self.name = f"{job}:{index}"
+        config = folder / "c.yaml"
+        config.write_text(CONFIG.replace("TIMEOUT", str(timeout)))
+        env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job,
+                                                                     "index": index}})
+        stem = folder / f"{job}-{index}"
+        self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
+        self.metrics = stem.with_suffix(".jsonl")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "csrun.cli.main", "train", str(config), *overrides,
+                 "--metrics", str(self.metrics)], cwd=folder, env=env, stdout=out,
+                stderr=err)
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace") + self.err.read_text(errors="replace")
+
+    def wait_for(self, predicate, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert self.process.poll() is None, f"{self.name} ended early: {self.text()}"
+            assert time.monotonic() < deadline, f"{self.name}: no {what}: {self.text()}"
+            time.sleep(0.05)
+
+    def trained(self) -> bool:
+        return self.metrics.exists() and self.metrics.stat().st_size > 0
+
+    def finish(self, timeout: float) -> tuple[int, float]:
+        begin = time.monotonic()
+        code = self.process.wait(timeout=timeout)
+        return code, time.monotonic() - begin
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def tasks():
+    started: list[Task] = []
+
+    def start(*args, **kwargs) -> Task:
+        started.append(Task(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for task in started:
+        task.kill()
+
+
+def loopback(ports: list[int], workers: int) -> dict:
+    return {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
+            "ps": [f"127.0.0.1:{ports[workers]}"]}
+
+
+class FrozenPs:
+    """A ps address that accepts connections and never answers (a frozen ps)."""
+
+    def __init__(self, port: int):
+        self.server = socket.create_server(("127.0.0.1", port))
+        self.accepted = threading.Event()
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections.append(connection)
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.server.close()
+        for connection in self.connections:
+            connection.close()
+
+
+# -- 1. a frozen ps ----------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_a_worker_against_a_frozen_ps_gives_up_after_timeout_s_naming_it(tmp_path, tasks):
+    ports = free_ports(2)
+    frozen = FrozenPs(ports[1])
+    try:
+        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+        assert frozen.accepted.wait(120), worker.text()
+        code, seconds = worker.finish(timeout=60)
+    finally:
+        frozen.close()
+    assert code == 1, worker.text()
+    assert seconds < 3 + 10, seconds  # timeout_s, and a margin for a loaded machine
+    assert f"ps:0 (127.0.0.1:{ports[1]}) did not answer within 3 s" in worker.text()
+    assert "Traceback" not in worker.text()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_while_waiting_for_a_frozen_ps_exits_143_promptly(tmp_path, tasks):
+    ports = free_ports(2)
+    frozen = FrozenPs(ports[1])
+    try:
+        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 120)
+        assert frozen.accepted.wait(120), worker.text()
+        time.sleep(0.5)  # in the wait, its signal handlers installed
+        worker.process.send_signal(signal.SIGTERM)
+        code, seconds = worker.finish(timeout=30)
+    finally:
+        frozen.close()
+    assert code == 143, worker.text()
+    assert seconds < 10, seconds
+    assert "stopped by SIGTERM" in worker.text() and "waiting for" in worker.text()
+
+
+# -- 2. a dead or absent chief -----------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_dead_chief_ends_the_ps_and_the_other_workers(tmp_path, tasks):
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    ps = tasks(tmp_path, cluster, "ps", 0, 4)
+    chief = tasks(tmp_path, cluster, "worker", 0, 4)
+    worker = tasks(tmp_path, cluster, "worker", 1, 4)
+    worker.wait_for(worker.trained, "training step")
+    chief.kill()
+    for task in (ps, worker):
+        code, seconds = task.finish(timeout=60)
+        assert code == 1, task.text()
+        assert seconds < 4 + 15, (task.name, seconds)
+        assert "the chief worker:0 sent no heartbeat" in task.text(), task.text()
+        assert "Traceback" not in task.text()
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_waiting_for_an_absent_chief_says_so_and_hears_sigterm(tmp_path, tasks):
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    ps = tasks(tmp_path, cluster, "ps", 0, 30)
+    worker = tasks(tmp_path, cluster, "worker", 1, 30)
+    worker.wait_for(lambda: "waiting for the chief worker:0" in worker.text(),
+                    "waiting message")
+    assert "(until " in worker.text()
+    worker.process.send_signal(signal.SIGTERM)
+    code, seconds = worker.finish(timeout=30)
+    assert code == 143, worker.text()
+    assert seconds < 10, seconds
+    ps.process.send_signal(signal.SIGTERM)
+    assert ps.finish(timeout=60)[0] == 143, ps.text()
+
+
+# -- 4. tasks that disagree --------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_a_task_with_another_config_is_refused_naming_the_keys(tmp_path, tasks):
+    ports = free_ports(2)
+    cluster = loopback(ports, 1)
+    ps = tasks(tmp_path, cluster, "ps", 0, 30)
+    worker = tasks(tmp_path, cluster, "worker", 0, 30, "train.steps=200",
+                   "model.hidden=[32]")
+    code, _ = worker.finish(timeout=120)
+    assert code == 2, worker.text()
+    text = worker.text()
+    assert "train.steps" in text and "model.hidden.0" in text, text
+    assert "worker:0's config differs from ps:0's" in text, text
+    assert "100000" in text and "200" in text
+    assert not worker.trained()
+    ps.process.send_signal(signal.SIGTERM)
+    ps.finish(timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_with_another_model_is_told_what_differs():
+    """Through the library (no config to compare): the ps compares shapes at
+    registration instead of failing the push ("ps:0 stopped answering")."""
+    port = free_ports(1)[0]
+    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": [f"127.0.0.1:{port}"]}
+    server = ParameterServer(SimpleClusterResolver(spec, "ps", 0), timeout=30)
+    stop = threading.Event()
+    threading.Thread(target=server.serve, kwargs={"stop": stop, "grace": 0},
+                     daemon=True).start()
+    first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 0), timeout=30)
+    second = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
+    first.register([[(0, torch.zeros(16, 8), 0), (1, torch.zeros(16), 0)]])
+    with pytest.raises(ClusterMismatch, match=r"variable 0 .* is float32 \[16, 8\] in the "
+                                              r"job, float32 \[32, 8\] here"):
+        second.register([[(0, torch.zeros(32, 8), 0), (1, torch.zeros(32), 0)]])
+    second.register([[(0, torch.ones(16, 8), 0), (1, torch.ones(16), 0)]])  # same: fine
+    stop.set()
+
+
+# -- 3. what a dying ps prints -----------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_a_worker_whose_ps_dies_prints_csruns_one_line_without_cpp_frames(tmp_path, tasks):
+    """torch's C++ layer logged a warning and 10-50 frames for the broken store first."""
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    ps = tasks(tmp_path, cluster, "ps", 0, 10)
+    worker = tasks(tmp_path, cluster, "worker", 1, 10)  # polls the store for its chief
+    worker.wait_for(lambda: "waiting for the chief" in worker.text(), "waiting message")
+    ps.kill()
+    code, _ = worker.finish(timeout=60)
+    assert code == 1, worker.text()
+    lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: parameter server ps:0 (127.0.0.1:{ports[2]})")
