@@ -99,6 +99,7 @@ class _Caller:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box["error"] = exc
             done.set()
+            del call, box, done  # what it made (a store, a channel) is the caller's alone
 
     def call(self, call: Callable[[], Any], timeout: float, what: str,
              stop: threading.Event | None = None) -> Any:
