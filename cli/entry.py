@@ -24,6 +24,7 @@ def main() -> None:
     """Entry point: guard the start, run the command, then let the exit be quiet."""
     for signum in _CODES:
         signal.signal(signum, _stop_now)
+    _follow_launcher(os.environ.get("CSRUN_LAUNCHER_PID"))
     try:
         from .main import main as run_command
         run_command()
@@ -31,6 +32,21 @@ def main() -> None:
         # a Ctrl-C while atexit handlers run (torch's, the loaders') would print a
         # traceback; the outcome is already decided
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _follow_launcher(pid: str | None) -> None:
+    """A task of ``csrun launch`` gets SIGTERM (its clean stop) when the launcher dies,
+    even by SIGKILL: tasks run in sessions of their own, so nothing else would end them.
+    Set by the task itself, not in the launcher's fork (unsafe beside its threads)."""
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl here: the launcher's own checks remain
+        return
+    if str(os.getppid()) != pid:  # it died before the line above
+        _stop_now(signal.SIGTERM, None)
 
 
 def _stop_now(signum: int, frame) -> None:

@@ -14,7 +14,7 @@ import typer
 from csrun.core.runner.checkpoint import CheckpointError
 from csrun.core.runner.metrics import OutputError
 from csrun.core.runner.preflight import check_outputs, check_writable
-from csrun.core.config.problems import ConfigError, ConfigNotice
+from csrun.core.config.problems import ConfigError, ConfigNotice, Problem
 from csrun.core.config.user_code import UserCodeError
 from csrun.core.runner.events import Notice
 from csrun.core.runner.session import Aborted, RunError
@@ -36,7 +36,8 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
     before the body runs (not after a long run); then ``--json`` is not written either."""
     try:
         outputs = {**(outputs or {}), "--json": json_path}  # a clash is --json's: not written
-        unusable = check_writable(json_path, "--json") + check_outputs(config, outputs)
+        unusable = _empty(outputs) + check_writable(json_path, "--json") + \
+            check_outputs(config, outputs)
         if unusable:
             json_path = None if any(p.path == "--json" for p in unusable) else json_path
             raise ConfigError(unusable)
@@ -46,6 +47,8 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         raise
     except ConfigError as exc:
         view.problems(exc)
+        if any(p.path == "--json" for p in exc.problems):  # a refused path stays untouched
+            json_path = None
         _finish(json_path, USAGE, {"status": "invalid",
                                    "problems": [p.to_dict() for p in exc.problems]})
     except (RunError, CheckpointError, OutputError, UserCodeError) as exc:
@@ -82,6 +85,12 @@ def _notices(view: View):
                 shown(message, category, *args, **kwargs)
         warnings.showwarning = show
         yield
+
+
+def _empty(outputs: dict[str, str | None]) -> list[Problem]:
+    """``--json ''`` (a shell variable left unset) must not pass for no --json at all."""
+    return [Problem(option, "the path is empty", f"give a file path, or leave {option} out")
+            for option, path in outputs.items() if path is not None and not path.strip()]
 
 
 def _user_exit(exc: SystemExit) -> str:

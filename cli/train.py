@@ -46,7 +46,7 @@ def train(
     with reporting(view, json_path, config=config,
                    outputs={"--metrics": metrics, "--plot": plot}):
         result = train_from_file(config, overrides or [], resume=resume,
-                                 outputs=Outputs(metrics, plot, tensorboard),
+                                 outputs=Outputs(metrics, plot, tensorboard, json_path),
                                  on_event=view.on_event)
         view.summary(result)
         code = OK if result.status != "interrupted" else \

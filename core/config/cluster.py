@@ -122,6 +122,8 @@ def _resolve(strategy: Any, environ: Mapping[str, str]
 
 
 LAUNCHER_ORIGIN = "environment (torchrun or Slurm variables)"
+
+
 def _no_cluster() -> Problem:  # a new one each time: reporting sets its location
     return Problem(
         "strategy.cluster", "kind: parameter_server needs a cluster, and neither "

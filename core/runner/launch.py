@@ -263,7 +263,8 @@ class _Task:
 
 
 def _environment(plan: LaunchPlan, task: str) -> dict[str, str]:
-    env = dict(os.environ, TF_CONFIG=plan.tf_config(task), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TF_CONFIG=plan.tf_config(task), PYTHONUNBUFFERED="1",
+               CSRUN_LAUNCHER_PID=str(os.getpid()))  # the task ends with its launcher
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
         trainers = len(plan.cluster.get("worker", [])) + len(plan.cluster.get("chief", []))
         threads = 1 if task.startswith("ps") else max(1, (os.cpu_count() or 1) // trainers)

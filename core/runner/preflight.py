@@ -27,7 +27,7 @@ from ..config.loading import read_config, read_config_text
 from ..config.problems import ConfigError, Problem
 from ..config.schema import RunConfig
 
-__all__ = ["load_config", "load_config_text", "preflight", "replica_count", "check_devices",
+__all__ = ["load_config", "load_config_text", "preflight", "check_outside", "replica_count", "check_devices",
            "check_checkpoint_dir", "check_writable", "check_outputs"]
 
 
@@ -177,6 +177,19 @@ def check_outputs(config: str | None, outputs: Mapping[str, str | None]) -> list
                                     "overwrite it", "give each output a file of its own"))
         taken.append((f"also the {option} file", path))
     return problems
+
+
+def check_outside(directory: str | None, outputs: Mapping[str, str | None]) -> list[Problem]:
+    """No output file (option -> path) lies in ``checkpoint.dir``: csrun owns and prunes
+    the files there, and an output written onto one destroys a checkpoint."""
+    if not directory:
+        return []
+    root = os.path.realpath(directory)
+    return [Problem(option, f"{path!r} is inside checkpoint.dir ({directory!r}), whose "
+                    "files csrun owns: writing it could destroy a checkpoint",
+                    "write outputs outside checkpoint.dir")
+            for option, path in outputs.items() if path and path != "-" and
+            (os.path.realpath(path) + os.sep).startswith(root + os.sep)]
 
 
 def _same_file(a: str, b: str) -> bool:

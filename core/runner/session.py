@@ -86,11 +86,13 @@ class Outputs:
       metrics: JSON-lines file; one record per step is appended.
       plot: image of the loss curve and per-replica step times (needs matplotlib).
       tensorboard: directory of TensorBoard event files (needs tensorboard).
+      result: where the caller writes the result (``--json``); only checked here.
     """
 
     metrics: str | None = None
     plot: str | None = None
     tensorboard: str | None = None
+    result: str | None = None
 
 
 def run_session(session: "Session", resume: bool, stop: threading.Event) -> RunResult:

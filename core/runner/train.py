@@ -24,7 +24,7 @@ from .cluster_role import run_task
 from .events import Notice, RunResult
 from .metrics import tensorboard_available
 from .plots import plot_available
-from .preflight import check_writable, load_config
+from .preflight import check_outside, check_writable, load_config
 from .session import Outputs, Session, run_session, stop_on_signals
 
 __all__ = ["train", "train_from_file", "task_name"]
@@ -94,6 +94,8 @@ def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
     problems = check_writable(outputs.metrics, "--metrics") + \
         check_writable(outputs.plot, "--plot") + \
         check_writable(outputs.tensorboard, "--tensorboard", directory=True)
+    problems += check_outside(config.checkpoint.dir, {
+        "--json": outputs.result, "--metrics": outputs.metrics, "--plot": outputs.plot})
     if resume and not config.checkpoint.dir:
         problems.append(Problem("checkpoint.dir", "--resume needs a checkpoint directory",
                                 "set checkpoint.dir in the config or as an override"))

@@ -23,7 +23,8 @@ def test_errors_on_an_80_column_terminal_wrap_at_words_and_keep_hints_whole(tiny
     flowing = " ".join(line.strip() for line in lines)  # a broken word would show a gap
     assert "or list the tasks' host:port addresses in strategy.cluster (chief, worker, " \
            "ps)" in flowing, flowing
-    assert "neither strategy.cluster nor the TF_CONFIG environment variable" in flowing
+    assert "neither strategy.cluster, the TF_CONFIG environment variable, nor torchrun's " \
+           "or Slurm's variables give one" in flowing
 
 
 def test_output_without_a_terminal_has_no_trailing_spaces(tiny):
