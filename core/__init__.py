@@ -24,6 +24,7 @@ aggregation
 
 from .cluster import (ClusterResolver, ClusterSpec, ParameterServerStrategy,
                       SimpleClusterResolver, TFConfigClusterResolver, TorchrunClusterResolver)
+from . import distribute
 from .distribute import (
     CentralStorageStrategy, ParameterServerStrategyExtended, Strategy, StrategyOptions,
     RunOptions, ReduceOp, ReplicaContext, get_strategy, has_strategy,
@@ -36,49 +37,6 @@ from .distribute import (
     logical_cpu_count, set_logical_cpu_count, compute_average_loss,
 )
 
-__all__ = [
-    "CentralStorageStrategy",
-    "ParameterServerStrategyExtended",
-    "ParameterServerStrategy",
-    "ClusterSpec",
-    "ClusterResolver",
-    "SimpleClusterResolver",
-    "TFConfigClusterResolver",
-    "TorchrunClusterResolver",
-    "Strategy",
-    "StrategyOptions",
-    "RunOptions",
-    "ReduceOp",
-    "ReplicaContext",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "get_replica_context",
-    "get_cross_replica_context",
-    "DistributedValues",
-    "PerReplica",
-    "Mirrored",
-    "InputContext",
-    "InputOptions",
-    "InputReplicationMode",
-    "ValueContext",
-    "DistributedDataset",
-    "DistributedDatasetsFromFunction",
-    "DistributedIterator",
-    "TensorSpec",
-    "PerReplicaSpec",
-    "TensorSliceDataset",
-    "Variable",
-    "VariableAggregation",
-    "VariableSynchronization",
-    "set_aggregation",
-    "get_aggregation",
-    "ReplicaAborted",
-    "DeviceError",
-    "LogicalDevice",
-    "canonical_name",
-    "local_devices",
-    "logical_cpu_count",
-    "set_logical_cpu_count",
-    "compute_average_loss",
-]
+__all__ = ["ParameterServerStrategy", "ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
+           "TFConfigClusterResolver", "TorchrunClusterResolver"]
+__all__ += distribute.__all__  # the engine's names, listed once, in csrun.core.distribute

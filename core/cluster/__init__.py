@@ -2,9 +2,10 @@
 ``ParameterServerStrategy``. Imports only from :mod:`csrun.core.distribute` below it.
 """
 
+from .launchers import TorchrunClusterResolver
 from .parameter_server_strategy import ParameterServerStrategy
 from .resolvers import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
-                        TFConfigClusterResolver, TorchrunClusterResolver)
+                        TFConfigClusterResolver)
 
 __all__ = [
     "ClusterResolver",

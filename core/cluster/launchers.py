@@ -20,12 +20,13 @@ The store's port (``CSRUN_PS_PORT`` overrides both rules):
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Mapping
 
-from .resolvers import ClusterError, ClusterProblem
+from .resolvers import ClusterError, ClusterProblem, SimpleClusterResolver
 
-__all__ = ["LauncherCluster", "launcher_cluster", "torchrun_cluster", "slurm_cluster",
+__all__ = ["TorchrunClusterResolver", "LauncherCluster", "launcher_cluster", "torchrun_cluster", "slurm_cluster",
            "expand_hostlist", "PS_PORT_ENV", "TORCHRUN_VARS", "SLURM_VARS"]
 
 PS_PORT_ENV = "CSRUN_PS_PORT"
@@ -178,3 +179,16 @@ def _expand_one(item: str) -> list[str]:
             raise ValueError(f"the range {part!r} in {item!r} runs backwards")
         names += [f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
     return [name + tail for name in names for tail in _expand_one(rest)]
+
+
+class TorchrunClusterResolver(SimpleClusterResolver):
+    """A resolver from torchrun's environment: the first ``num_ps`` ranks are parameter
+    servers, the rest workers (``worker:0`` is the chief).
+
+    ``ps:0`` hosts the job's store on ``MASTER_ADDR`` at ``MASTER_PORT + 1``: torchrun's
+    own store holds ``MASTER_PORT``. The rules are :func:`torchrun_cluster`'s.
+    """
+
+    def __init__(self, num_ps: int, environ: Mapping[str, str] | None = None):
+        launched = torchrun_cluster(num_ps, os.environ if environ is None else environ)
+        super().__init__(launched.cluster, *launched.task)

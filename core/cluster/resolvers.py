@@ -22,7 +22,7 @@ import os
 from typing import Mapping
 
 __all__ = ["ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
-           "TFConfigClusterResolver", "TorchrunClusterResolver", "ClusterError",
+           "TFConfigClusterResolver", "ClusterError",
            "ClusterProblem", "TFConfig", "parse_tf_config", "cluster_spec_problems",
            "training_problems", "task_problems", "TF_CONFIG_SHAPE"]
 
@@ -255,16 +255,3 @@ class TFConfigClusterResolver(SimpleClusterResolver):
         except ClusterError as exc:  # say that the problems are TF_CONFIG's
             raise ClusterError(exc.problems, source="TF_CONFIG") from None
 
-
-class TorchrunClusterResolver(SimpleClusterResolver):
-    """A resolver from torchrun's environment: the first ``num_ps`` ranks are parameter
-    servers, the rest workers (``worker:0`` is the chief).
-
-    ``ps:0`` hosts the job's store on ``MASTER_ADDR`` at ``MASTER_PORT + 1``: torchrun's
-    own store holds ``MASTER_PORT``. See :mod:`.launchers` for the rules.
-    """
-
-    def __init__(self, num_ps: int, environ: Mapping[str, str] | None = None):
-        from .launchers import torchrun_cluster  # it builds on this module
-        launched = torchrun_cluster(num_ps, os.environ if environ is None else environ)
-        super().__init__(launched.cluster, *launched.task)

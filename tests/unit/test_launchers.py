@@ -6,7 +6,8 @@ import pytest
 
 from csrun.core.cluster.launchers import (expand_hostlist, launcher_cluster, slurm_cluster,
                                           torchrun_cluster)
-from csrun.core.cluster.resolvers import ClusterError, TorchrunClusterResolver
+from csrun.core.cluster.launchers import TorchrunClusterResolver
+from csrun.core.cluster.resolvers import ClusterError
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.preflight import load_config_text
 
