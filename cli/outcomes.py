@@ -7,6 +7,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import sys
 import warnings
 
 import typer
@@ -65,6 +68,11 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         view.interrupted(None, saved_nothing="no training step was running")
         _finish(json_path, INTERRUPTED, {"status": "interrupted", "signal": "SIGINT"})
     except Exception as exc:  # noqa: BLE001 - anything else: a message, not a traceback
+        if _stdout_failed(exc):
+            error = f"cannot write to standard output: {exc.strerror} (is it redirected to " \
+                    "a full disk?)"
+            view.failure(error)
+            _finish(json_path, FAILED, {"status": "failed", "error": error})
         view.crash(exc)
         notes = " ".join(getattr(exc, "__notes__", []))
         _finish(json_path, FAILED, {"status": "failed",
@@ -85,6 +93,16 @@ def _notices(view: View):
                 shown(message, category, *args, **kwargs)
         warnings.showwarning = show
         yield
+
+
+def _stdout_failed(exc: BaseException) -> bool:
+    """Our own files are written through OutputError, which names them: an unnamed disk
+    error is standard output's. It is let go, so the exit's flush does not fail again."""
+    if not (isinstance(exc, OSError) and exc.filename is None and
+            exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT)):
+        return False
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - replaces stdout until exit
+    return True
 
 
 def _empty(outputs: dict[str, str | None]) -> list[Problem]:

@@ -32,6 +32,17 @@ class UserCodeError(RuntimeError):
     key naming the code; the original exception is the ``__cause__``. (One plain message
     argument: a DataLoader worker re-raises it by its type and message.)"""
 
+    _WORKER = "Caught UserCodeError in "
+
+    def __init__(self, message: str):
+        # a DataLoader worker's re-raise puts the worker's whole traceback in the message:
+        # keep csrun's own line, and say which worker
+        if message.startswith(self._WORKER):
+            where = message.split("\n", 1)[0][len(self._WORKER):].rstrip(".")
+            last = message.rstrip().rsplit("\n", 1)[-1]
+            message = f"{last.removeprefix('UserCodeError: ')} (in {where})"
+        super().__init__(message)
+
 
 def user_code_error(field: str, what: str, exc: BaseException) -> UserCodeError:
     """``raise user_code_error(...) from exc``: ``field: what failed: ... (at file:line)``."""

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import random
 from typing import Any, Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ import torch
 from ..config.problems import ConfigError, Problem
 from ..config.schema import DatasetConfig
 from ..config.targets import import_object
+from ..config.user_code import user_code_error
 from .imported import Collate, Guarded, ImportedData, examples
 from .sources import SourceData, derive_seed
 
@@ -62,11 +64,31 @@ class _Map:
     def __call__(self, x: torch.Tensor, y: torch.Tensor):
         if self._fn is None:
             self._fn = import_object(self.target, self.field)
-        result = self._fn(x, y, **self.kwargs)
+        try:
+            result = self._fn(x, y, **self.kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's code: named, with its line
+            raise user_code_error(self.field, f"map function {self.target}", exc) from exc
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"map function {self.target} must return (x, y), got "
                             f"{type(result).__name__}")
         return result
+
+
+def _check_map_signature(fn: Callable, step, field: str) -> list[Problem]:
+    """A map function is called as ``fn(x, y, **kwargs)``: one that cannot take that is
+    a config problem now, not a TypeError at the first batch."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the first batch tells
+        return []
+    try:
+        signature.bind(None, None, **step.kwargs)
+    except TypeError as exc:
+        return [Problem(f"{field}.fn", f"{step.fn} cannot be called as fn(x, y"
+                        f"{', **kwargs' if step.kwargs else ''}): {exc}",
+                        "a map function takes an example's features and label (and the "
+                        "step's kwargs) and returns (x, y)")]
+    return []
 
 
 class ExampleSet(torch.utils.data.Dataset):
@@ -251,11 +273,11 @@ class Pipeline:
             return self._compile_normalize(field, step, fns)
         elif step.op == "map":
             try:
-                import_object(step.fn, f"{field}.fn")
+                fn = import_object(step.fn, f"{field}.fn")
             except ConfigError as exc:
                 return exc.problems
             fns.append(_Map(step.fn, step.kwargs, f"{field}.fn"))
-            return []
+            return _check_map_signature(fn, step, field)
         elif step.op == "shard" and None not in (step.num_shards, step.index) \
                 and step.index >= step.num_shards:
             return [Problem(f"{field}.index", f"index {step.index} is not below num_shards "

@@ -206,7 +206,7 @@ def hang_stdout_is_dev_full(a):
     with open("/dev/full", "w") as full:
         done = a.proc("validate", a.config, stdout=full)
     clean(done, (1,))
-    assert "No space left" in done.err, done.err
+    assert "standard output: No space left" in done.err, done.err
 
 
 def hang_sigterm_during_validate(a):
@@ -391,7 +391,8 @@ def orphan_map_fn_raising_in_a_loader_worker(a):
             time.sleep(0.05)
         out, err = process.communicate()
         clean(Done(process.returncode, out.decode(), err.decode()), (1,))
-        assert b"a bad example" in err, err
+        assert b"a bad example" in err and b"dataset.steps.1.fn" in err, err
+        assert b"Original Traceback" not in err, err
         assert not wait_gone(seen, seconds=2), "a data loader worker outlived its run"
     finally:
         kill_left(list(seen))
@@ -448,9 +449,9 @@ def tb_map_fn_of_the_wrong_arity(a, monkeypatch):
     monkeypatch.syspath_prepend(str(a.tmp))
     config = a.write("m.yaml", SMALL.replace(
         "- {op: batch, size: 16}", "- {op: map, fn: 'arity:fn'}\n    - {op: batch, size: 16}"))
-    done = a.cli("train", config)
-    clean(done, (1, 2))
-    assert "arity" in done.err, done.err
+    done = a.cli("validate", config)  # found before training: a config problem at its key
+    clean(done, (2,))
+    assert "dataset.steps.1.fn" in done.err and "fn(x, y)" in done.err, done.err
 
 
 def tb_json_to_an_empty_path(a):
@@ -517,7 +518,7 @@ ATTACKS: list = [
     ("data loss", dl_checkpoint_dir_holding_the_config_and_notes, ()),
     ("data loss", dl_config_edited_between_runs_holdout, ()),
     ("hang", hang_train_with_stdin_closed, ()),
-    ("hang", hang_stdout_is_dev_full, (_xfail('DEFECT: stdout on a full disk ends as an unexpected `OSError: [Errno 28] No space left on device` (set CSRUN_TRACEBACK=1), not naming stdout (no hang: exit 1 at once)'),)),
+    ("hang", hang_stdout_is_dev_full, ()),
     ("hang", hang_sigterm_during_validate, ()),
     ("hang", hang_dataset_file_is_a_fifo, ()),
     ("hang", hang_take_and_skip_of_10_18, ()),
@@ -529,7 +530,7 @@ ATTACKS: list = [
     ("orphan", orphan_launcher_sigkilled, ()),
     ("orphan", orphan_train_sigkilled_with_loader_workers, ()),
     ("orphan", orphan_train_sigterm_with_loader_workers, ()),
-    ("orphan", orphan_map_fn_raising_in_a_loader_worker, (_xfail('DEFECT: an exception in a map fn inside a DataLoader worker (dataset.workers > 0) prints torch\'s "Original Traceback" from the worker in the error message (no orphan: the workers end)'),)),
+    ("orphan", orphan_map_fn_raising_in_a_loader_worker, ()),
     ("traceback", tb_emoji_key, ()),
     ("traceback", tb_merge_key_of_itself, ()),
     ("traceback", tb_nan_steps_override, ()),
@@ -538,7 +539,7 @@ ATTACKS: list = [
     ("traceback", tb_holdout_of_one, ()),
     ("traceback", tb_model_target_raises_at_import, ()),
     ("traceback", tb_model_target_returns_a_string, ()),
-    ("traceback", tb_map_fn_of_the_wrong_arity, (_xfail('DEFECT: a map fn taking 1 argument is not checked by validate; train fails at the first batch as an unexpected `TypeError: fn() takes 1 positional argument but 2 were given` (set CSRUN_TRACEBACK=1) not naming dataset.steps.N.fn'),)),
+    ("traceback", tb_map_fn_of_the_wrong_arity, ()),
     ("traceback", tb_json_to_an_empty_path, ()),
     ("traceback", tb_no_compute_devices, ()),
     ("unclear message", msg_misspelt_optimizer, ()),
