@@ -82,40 +82,43 @@ def job(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_restarted_worker_rejoins_and_is_not_reported_lost(job):
-    cluster = job(steps=300)
+    # every task runs the same config (a task whose settings differ is refused), long
+    # enough that the chief outlives the restart; Ctrl-C ends the job
+    cluster = job(steps=1_000_000)
     ps = cluster.start("ps", "ps")
-    chief = cluster.start("chief", "chief", ("train.steps=1000000",))  # it waits for us
+    chief = cluster.start("chief", "chief")
     first = cluster.start("worker", "worker")
-    cluster.wait_log("worker", "step 20/300")
+    cluster.wait_log("worker", "step 20/")
     first.send_signal(signal.SIGKILL)
     first.wait()
     cluster.wait_log("chief", "lost worker:0")  # the chief saw it go
     again = cluster.start("worker", "again")
-    cluster.wait_log("again", "step 10/300")
-    chief.send_signal(signal.SIGINT)  # the chief stops, waits for the worker, ends the job
-    assert again.wait(timeout=180) == 0, cluster.log("again")
+    cluster.wait_log("again", "step 10/")
+    again.send_signal(signal.SIGINT)  # it stops after its step and says goodbye
+    assert again.wait(timeout=180) == 130, cluster.log("again")
+    chief.send_signal(signal.SIGINT)  # the chief stops, saves and ends the job
     assert chief.wait(timeout=120) == 130, cluster.log("chief")
     assert ps.wait(timeout=60) == 0, cluster.log("ps")
     report = cluster.result("chief")["cluster"]
-    assert report["lost_workers"] == []           # it came back and finished
+    assert report["lost_workers"] == []           # it came back and left cleanly
     assert report["rejoined_workers"] == ["worker:0"]
-    assert cluster.result("again")["steps"] == 300
+    assert cluster.result("again")["steps"] >= 10
     assert "rejoined worker:0" in cluster.log("chief")
     assert "lost workers   none" in cluster.log("chief")
 
 
 @pytest.mark.timeout(300)
 def test_the_global_steps_in_the_final_reports_agree(job):
-    cluster = job(steps=60)
+    cluster = job(steps=60)  # the same for both: a task whose settings differ is refused
     ps = cluster.start("ps", "ps")
-    chief = cluster.start("chief", "chief", ("train.steps=200",))
+    chief = cluster.start("chief", "chief")
     worker = cluster.start("worker", "worker")
     assert worker.wait(timeout=180) == 0, cluster.log("worker")
     assert chief.wait(timeout=180) == 0, cluster.log("chief")
     assert ps.wait(timeout=60) == 0
     mine, final = cluster.result("worker")["cluster"], cluster.result("chief")["cluster"]
     # the job's global step is every applied update; the chief reports it at the end
-    assert final["global_step"] == sum(final["updates"].values()) == 260
+    assert final["global_step"] == sum(final["updates"].values()) == 120
     # the worker left earlier: its report says the step is the one when it finished
     assert mine["global_step_when"] == "this worker finished"
     assert final["global_step_when"] == "the job ended"

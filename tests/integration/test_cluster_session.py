@@ -51,14 +51,14 @@ def test_two_workers_slices_add_up_to_one_central_storage_step():
         worker.strategy.extended.pull()  # both start from the initial values
     for worker in workers:  # one step each, in turn: no update is stale
         with worker.strategy.scope():
-            worker._train_step(next(iter(worker._distribute())), 0.0)
+            worker._train_step([next(iter(worker._distribute()))], 0.0)  # one batch
 
     reference = Session(load_config_text(TEXT.replace(
         "kind: parameter_server, compute_devices: [CPU:0]",
         "compute_devices: [CPU:0, CPU:1], parameter_device: CPU:0"), "c.yaml"),
         Outputs(), lambda e: None)
     with reference.strategy.scope():
-        reference._train_step(next(iter(reference._distribute())), 0.0)
+        reference._train_step([next(iter(reference._distribute()))], 0.0)  # one batch
 
     workers[0].strategy.extended.pull()
     for mine, theirs in zip(workers[0].model.parameters(), reference.model.parameters()):
