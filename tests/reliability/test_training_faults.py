@@ -63,7 +63,9 @@ def test_a_non_finite_loss_names_step_and_replica_and_the_checkpoint_survives(mo
     value = "nan" if mode == "nan" else "inf"
     assert f"the loss is {value} at step 8 on replica 1 (CPU:1)" in result["error"]
     assert "stopped before the update" in result["error"]
-    assert "the last checkpoint (step 6, ck/ckpt-00000006.pt) is intact" in result["error"]
+    # checkpoint.dir written in the config starts at the config's folder (run_dir)
+    assert f"the last checkpoint (step 6, {run_dir / 'ck' / 'ckpt-00000006.pt'}) is intact" \
+        in result["error"], result["error"]
     assert "Traceback" not in failed.stderr and "step 8 on replica 1" in failed.stderr
 
     # intact: it verifies (size, SHA-256) and loads, and resuming from it ends exactly
