@@ -83,8 +83,11 @@ def test_loss_falls_variables_on_ps_updates_interleave(cluster):
         code, err = cluster.wait(name)
         assert code == 0, err
     chief, other = cluster.result("worker0"), cluster.result("worker1")
+    # The untrained model's loss is the larger first loss: a worker that starts late
+    # already sees the other's updates. One batch of 16 is noisy, so compare a mean.
+    start = max(chief["losses"][0], other["losses"][0])
     for result in (chief, other):
-        assert result["losses"][-1] < 0.25 * result["losses"][0]
+        assert sum(result["losses"][-5:]) / 5 < 0.25 * start
         assert result["placement"] == ["/job:ps/replica:0/task:0/device:CPU:0"] * 4
     (log,) = chief["logs"]
     workers = [w for w, _ in log]
