@@ -20,6 +20,10 @@ from typing import Sequence
 RATIO_TARGETS = {("mlp", "csrun_R1"): 0.97, ("mlp", "csrun_R2"): 0.95,
                  ("mlp", "csrun_R4"): 0.90}
 OVERHEAD_TARGET_US = {"R2": 50.0}  # the most µs per empty step the issue allows
+# TensorFlow's CentralStorageStrategy on the same MLP, batch and 2-core VM (issue 14)
+TF_CSS_MLP_EXAMPLES_PER_S = 31_000
+# the user's plain loop after csrun ran in its process, against a process without csrun
+PLAIN_AFTER_CSRUN_TARGET = 0.97
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple | None:
@@ -71,4 +75,10 @@ def judge(result: dict) -> list[dict]:
             out.append({"what": f"engine overhead {replicas} (µs per step)",
                         "target": f"< {limit}", "median": statistics.median(rounds),
                         "ci95": interval, "verdict": verdict(interval, limit, at_least=False)})
+    check = result.get("plain_after_csrun")
+    if check:
+        interval = check["ratio_ci95"]
+        out.append({"what": "plain loop after csrun / alone", "target":
+                    f">= {PLAIN_AFTER_CSRUN_TARGET}", "median": check["ratio"], "ci95": interval,
+                    "verdict": verdict(interval, PLAIN_AFTER_CSRUN_TARGET, at_least=True)})
     return out

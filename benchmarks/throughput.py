@@ -22,25 +22,26 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import weakref
 from pathlib import Path
 from typing import Callable
 
-# As the csrun CLI does: GNU OpenMP's idle threads spin for ~100 ms by default, taking
-# the cores that concurrent replicas need (docs/performance.md). Set before torch loads;
-# plain PyTorch runs under the same setting, so the comparison stays fair.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import csrun.core as cs  # noqa: E402
+import csrun.core as cs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
-from targets import judge, median_interval  # noqa: E402
+from targets import TF_CSS_MLP_EXAMPLES_PER_S, judge, median_interval  # noqa: E402
+
+# Measured as a user runs: with none of these set. Any that is set is reported (and
+# --clean-env reruns the benchmark without them).
+RUNTIME_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                     "KMP_BLOCKTIME", "OMP_DYNAMIC", "OMP_PROC_BIND", "CSRUN_OPENMP_TEAM")
 
 MODELS = {
     "mlp": dict(shape=(784,), classes=10, batch=256),
@@ -258,10 +259,43 @@ def gpu_section(rounds: int, steps: int) -> dict:
     return out
 
 
+def plain_rate(after_csrun: bool, steps: int) -> float:
+    """Examples/s of the plain MLP loop in this (fresh) process, optionally after csrun
+    has trained 2 concurrent replicas in it (the best of 5 timed passes)."""
+    data = batches("mlp", steps)
+    if after_csrun:
+        loop = csrun_loop("mlp", data, ["CPU:0", "CPU:1"], "CPU:0")
+        for _ in range(5):
+            loop()
+    plain = plain_loop("mlp", data)
+    plain()
+    return steps * MODELS["mlp"]["batch"] / min(timed(plain) for _ in range(5))
+
+
+def plain_after_csrun(pairs: int, steps: int) -> dict:
+    """Does csrun slow the user's own code in its process? Fresh processes, alternately
+    plain only and plain after csrun's replicas, ``pairs`` of each: the median of the
+    paired ratios after / alone, with its 95% interval."""
+    def child(after: bool) -> float:
+        out = subprocess.run([sys.executable, __file__, "--plain-child",
+                              "after" if after else "alone", "--steps", str(steps)],
+                             capture_output=True, text=True, check=True)
+        return float(out.stdout.split()[-1])
+    ratios = []
+    for i in range(pairs):  # the first of each pair alternates too
+        first = child(i % 2 == 1)
+        second = child(i % 2 == 0)
+        after, alone = (first, second) if i % 2 else (second, first)
+        ratios.append(after / alone)
+    return {"ratio": statistics.median(ratios), "ratio_ci95": median_interval(ratios),
+            "ratios": ratios}
+
+
 def measure(args) -> dict:
     result: dict = {"python": platform.python_version(), "torch": torch.__version__,
                     "cpu_threads": torch.get_num_threads(), "rounds": args.rounds,
-                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                    "environment": {k: os.environ[k] for k in RUNTIME_VARIABLES
+                                    if k in os.environ},
                     "steps_per_round": args.steps, "models": {}}
     for name in args.models:
         data = batches(name, args.steps)
@@ -278,6 +312,8 @@ def measure(args) -> dict:
     result["engine_overhead_best_us"] = {k: min(v) for k, v in overhead.items()}
     result["engine_overhead_rounds_us"] = overhead
     result["input_path_R2"] = input_path(2, args.rounds)
+    if args.plain_check:
+        result["plain_after_csrun"] = plain_after_csrun(args.plain_check, args.steps)
     if torch.cuda.is_available():
         result["gpu"] = gpu_section(args.rounds, args.steps)
     result["targets"] = judge(result)
@@ -302,6 +338,18 @@ def report(result: dict) -> str:
     lines.append(f"input path, 2 replicas: csrun {path['csrun']['examples_per_s']:.0f} ex/s vs "
                  f"DataLoader {path['plain']['examples_per_s']:.0f} ex/s "
                  f"(ratio {path['csrun']['ratio_vs_plain']:.3f})")
+    r2 = result["models"].get("mlp", {}).get("csrun_R2")
+    if r2:
+        lines.append(f"mlp csrun_R2 {r2['examples_per_s']:.0f} ex/s = "
+                     f"{r2['examples_per_s'] / TF_CSS_MLP_EXAMPLES_PER_S:.2f}x TensorFlow's "
+                     f"CentralStorageStrategy ({TF_CSS_MLP_EXAMPLES_PER_S} ex/s on this VM)")
+    if "plain_after_csrun" in result:
+        check = result["plain_after_csrun"]
+        lines.append(f"plain loop after csrun / alone, fresh processes: "
+                     f"{check['ratio']:.3f} over {len(check['ratios'])} pairs")
+    if result["environment"]:
+        lines.append(f"NOTE: measured with {result['environment']} set; a user sets none "
+                     "(--clean-env)")
     lines += [_target_line(t) for t in result["targets"]]
     if "gpu" in result:
         gpu = result["gpu"]
@@ -360,7 +408,20 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", action="store_true",
                         help="also run a hand-written threaded loop per replica count "
                              "(hand_R2, ...): what the cores allow without csrun")
+    parser.add_argument("--plain-check", type=int, default=0, metavar="PAIRS",
+                        help="also time the plain loop in fresh processes, alone and after "
+                             "csrun, PAIRS times each: is the user's own code slowed?")
+    parser.add_argument("--clean-env", action="store_true",
+                        help="rerun this benchmark with the OpenMP/MKL variables above unset")
+    parser.add_argument("--plain-child", choices=["alone", "after"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plain_child:
+        print(plain_rate(args.plain_child == "after", args.steps))
+        return 0
+    if args.clean_env:
+        env = {k: v for k, v in os.environ.items() if k not in RUNTIME_VARIABLES}
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--clean-env"]
+        return subprocess.run([sys.executable, __file__, *rest], env=env).returncode
     if args.quick:
         args.rounds, args.steps = 2, 2
     result = measure(args)

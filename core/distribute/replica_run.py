@@ -11,7 +11,9 @@ Two execution modes:
 * **concurrent**: every replica runs at once on its own thread; a rendezvous is a barrier.
   Replicas that share the host CPU split its intra-op threads between them (with 4
   replicas of 64 examples each, one thread per replica keeps the matrix products as
-  efficient as one device's 256; in order they would run at ~0.6x).
+  efficient as one device's 256; in order they would run at ~0.6x). When that share is
+  one thread, the replicas run as the members of the caller's OpenMP team
+  (:mod:`.openmp_team`) rather than on threads of their own.
 
 :class:`ExecutionPolicy` chooses between them run by run (see its docstring).
 
@@ -31,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .openmp_team import OpenMPTeam, find_team
 from .replica_random import ReplicaRandom, RunSeed, global_state
 
 __all__ = ["ReplicaRun", "ReplicaExecutor", "ReplicaAborted", "ExecutionPolicy"]
@@ -75,10 +78,13 @@ class _ThreadState:
         # inference_mode restores the thread's whole dispatch state, so autocast or
         # forward-mode AD that a replica function switched on and never off does not
         # reach the next run (tested).
-        with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
-            if not self.autocast:
-                return fn()
-            return self._with_autocast(list(self.autocast), fn)
+        try:
+            with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
+                if not self.autocast:
+                    return fn()
+                return self._with_autocast(list(self.autocast), fn)
+        finally:
+            _drop_leaked_autocast()
 
     def _with_autocast(self, pending: list, fn: Callable[[], Any]) -> Any:
         if not pending:
@@ -86,6 +92,21 @@ class _ThreadState:
         device_type, dtype = pending.pop()
         with torch.autocast(device_type, dtype=dtype):
             return self._with_autocast(pending, fn)
+
+
+def _drop_leaked_autocast() -> None:
+    """An autocast a replica entered and never left keeps its thread's nesting count up
+    (leaving inference_mode switches autocast off, not the count), and then no later
+    autocast there clears its cast cache: the next runs would compute with casts of
+    parameters the optimizer has since changed. Worker threads (and the OpenMP team's)
+    outlive runs, so each replica leaves the count at zero and the cache empty."""
+    left = torch.autocast_decrement_nesting()
+    if left < 0:  # the usual case: nothing leaked (-1 is 0 less one)
+        torch.autocast_increment_nesting()
+        return
+    while left > 0:
+        left = torch.autocast_decrement_nesting()
+    torch.clear_autocast_cache()
 
 
 _PLAIN_STATES = {(g, i): _ThreadState(g, i) for g in (False, True) for i in (False, True)}
@@ -119,6 +140,7 @@ class ReplicaRun:
         use; None for a run without collectives.
       random: each replica's :class:`ReplicaRandom` (None: the global generator), entered
         around its body.
+      team: the OpenMP team that concurrent replicas run as (None: worker threads).
     """
 
     # Rendezvous state starts as these class-level defaults and becomes the run's own only
@@ -139,7 +161,7 @@ class ReplicaRun:
                  body: Callable[["ReplicaRun", int], Any], executor: "ReplicaExecutor",
                  threads: list | None = None, servings: Sequence = (),
                  make_collectives: Callable[["ReplicaRun"], Any] | None = None,
-                 random: list | None = None):
+                 random: list | None = None, team: OpenMPTeam | None = None):
         self.num_replicas = num_replicas
         self.concurrent = concurrent and num_replicas > 1
         self.threads = threads
@@ -148,6 +170,7 @@ class ReplicaRun:
         self.servings = servings  # not mutated
         self.make_collectives = make_collectives
         self.random = random
+        self.team = team
         self.results: list = [None] * num_replicas
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
@@ -195,7 +218,9 @@ class ReplicaRun:
         # caller's count comes back once at the end (not after each replica).
         caller_threads = torch.get_num_threads() if self.threads else None
         try:
-            if self.concurrent:
+            if self.concurrent and self.team is not None:
+                self._run_as_team(caller_threads)
+            elif self.concurrent:
                 self._start_workers(range(1, self.num_replicas))
                 self._run_replica(0, caller_threads, False)
             else:
@@ -221,6 +246,25 @@ class ReplicaRun:
         self.threaded = True
         for replica_id in replica_ids:
             self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))
+
+    def _run_as_team(self, caller_threads: int | None) -> None:
+        self._start_workers(())
+        members = [lambda: self._lead_team(caller_threads)]
+        members += [lambda r=r: self._run_replica(r) for r in range(1, self.num_replicas)]
+        self.team.run(members, spare=self.executor.submit)
+
+    def _lead_team(self, caller_threads: int | None) -> None:
+        """Replica 0, then wait for the others in Python, where signals are heard (the
+        region's own end is a wait in C): a Ctrl-C aborts the others at their next
+        rendezvous and is raised once all have stopped."""
+        self._run_replica(0, caller_threads, False)
+        while True:
+            try:
+                with self.cond:
+                    self.cond.wait_for(lambda: all(s in _FINAL for s in self.status))
+                return
+            except BaseException as exc:  # noqa: BLE001 - re-raised by execute
+                self._fail(None, exc)
 
     def _run_replica(self, replica_id: int, caller_threads: int | None = None,
                      on_worker: bool = True) -> None:
@@ -467,6 +511,19 @@ class ExecutionPolicy:
             self._split = (total, [per if i in self._cpu else None
                                    for i in range(self._num_replicas)])
         return self._split[1]
+
+    def team(self) -> OpenMPTeam | None:
+        """The OpenMP team that concurrent replicas run as, or None (worker threads).
+
+        Only where every replica is a logical CPU whose share is one intra-op thread and
+        the caller's team has a member for each (more members would add OpenMP threads
+        to the process for good, and with them change how the user's own code waits)."""
+        if not self.concurrent or len(self._cpu) != self._num_replicas:
+            return None
+        total = torch.get_num_threads()
+        if self._num_replicas > total or total // self._num_replicas > 1:
+            return None
+        return find_team()
 
     def random(self) -> list | None:
         """Each replica's random stream for the next run, to be seeded from one draw of

@@ -451,7 +451,7 @@ class ParameterServerStrategyExtended:
         streams = self._replica_streams()
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
         run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
-                         servings, self._collectives_for, policy.random())
+                         servings, self._collectives_for, policy.random(), policy.team())
         if streams is not None:
             self._start_streams(streams)
         snapshot = policy.before_run()

@@ -143,9 +143,44 @@ def test_autocast_a_replica_leaves_on_does_not_reach_the_next_run(execution):
     try:
         strategy.run(leaky, args=(torch.randn(4, 4),))
     finally:
-        torch.set_autocast_enabled("cpu", False)  # replica 0 leaked it on this thread
+        _leave_autocast()  # replica 0 leaked it on this thread
     assert strategy.experimental_local_results(strategy.run(check, args=(torch.randn(4, 4),))) \
         == ([0, torch.float32], [1, torch.float32])
+
+
+def _leave_autocast():
+    torch.set_autocast_enabled("cpu", False)
+    while torch.autocast_decrement_nesting() > 0:
+        pass
+    torch.clear_autocast_cache()
+
+
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+def test_an_autocast_a_replica_leaked_leaves_no_stale_casts(execution):
+    # Its thread's autocast nesting stayed up, so later autocasts there kept their cast
+    # of w from before the update: the second run computed with the old weights.
+    strategy = _strategy(2, execution=execution)
+    w = torch.ones(4, 4, requires_grad=True)  # autocast caches casts of such leaves
+
+    def leaky():
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))  # forces worker threads
+        torch.autocast("cpu", dtype=torch.bfloat16).__enter__()        # never exited
+
+    def product(x):
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (x @ w).float().sum()
+    try:
+        strategy.run(leaky)
+    finally:
+        _leave_autocast()
+    x = torch.ones(1, 4)
+    assert [float(v) for v in strategy.experimental_local_results(
+        strategy.run(product, args=(x,)))] == [16.0, 16.0]
+    with torch.no_grad():
+        w.add_(1.0)  # as an optimizer step would
+    assert [float(v) for v in strategy.experimental_local_results(
+        strategy.run(product, args=(x,)))] == [32.0, 32.0]
 
 
 @pytest.mark.parametrize("execution", ["ordered", "concurrent"])

@@ -1,0 +1,128 @@
+"""Concurrent CPU replicas run as the caller's OpenMP team (csrun.core.distribute.openmp_team)."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import csrun.core as cs
+from csrun.core.distribute.openmp_team import find_team
+from csrun.core.distribute.replica_run import ExecutionPolicy
+
+team = find_team()
+needs_team = pytest.mark.skipif(team is None, reason="torch here does not run on GNU OpenMP")
+
+
+def _strategy(n=2, execution="concurrent"):
+    return cs.CentralStorageStrategy([f"CPU:{i}" for i in range(n)], "CPU:0",
+                                     options=cs.StrategyOptions(execution=execution))
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.fixture
+def two_threads():
+    """Each of 2 replicas gets one intra-op thread: the case the team serves."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_team
+def test_replicas_run_as_the_team_and_add_no_thread(two_threads):
+    strategy = _strategy()
+    torch.ones(1 << 18).sum()  # the caller's team exists, as after any torch op
+
+    def where():
+        cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+        return [threading.get_native_id(), team.in_parallel(), torch.get_num_threads()]
+    before = _threads()
+    first, second = strategy.experimental_local_results(strategy.run(where))
+    assert _threads() == before  # replica 1 ran on a thread OpenMP already had
+    assert first[0] == threading.get_native_id() and second[0] != first[0]
+    assert first[1:] == second[1:] == [True, 1]
+
+
+@needs_team
+def test_more_intra_op_threads_than_replicas_keep_worker_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # a share of 2 each: replicas need teams of their own
+    try:
+        strategy = _strategy()
+        inside = strategy.experimental_local_results(
+            strategy.run(lambda: torch.tensor(team.in_parallel())))
+    finally:
+        torch.set_num_threads(before)
+    assert [bool(v) for v in inside] == [False, False]
+
+
+@needs_team
+def test_a_short_team_hands_its_missing_members_to_threads():
+    # A region inside a region gets one thread; members must still all run at once
+    # (they may wait for each other), so member 0 starts the rest on spare threads.
+    met = threading.Barrier(2, timeout=10)
+    seen = []
+
+    def spare(index, member):
+        seen.append(index)
+        threading.Thread(target=member).start()
+
+    def inner():
+        team.run([met.wait, met.wait], spare)
+    team.run([inner, lambda: None], spare)
+    assert seen == [1]
+
+
+def _gradients(strategy):
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 10))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
+    dist = iter(strategy.experimental_distribute_dataset([(x, y)]))
+
+    def step(xs, ys):
+        loss = cs.compute_average_loss(F.cross_entropy(model(xs), ys, reduction="none"))
+        loss.backward()
+        return loss.detach()
+    losses = strategy.run(step, args=next(dist))
+    return ([p.grad.clone() for p in model.parameters()],
+            [float(v) for v in strategy.experimental_local_results(losses)])
+
+
+@needs_team
+def test_results_equal_worker_threads_bit_for_bit(two_threads, monkeypatch):
+    team_grads, team_losses = _gradients(_strategy())
+    again_grads, again_losses = _gradients(_strategy())
+    monkeypatch.setattr(ExecutionPolicy, "team", lambda self: None)
+    thread_grads, thread_losses = _gradients(_strategy())
+    assert team_losses == again_losses == thread_losses
+    for a, b, c in zip(team_grads, again_grads, thread_grads):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@needs_team
+@pytest.mark.timeout(30)
+def test_ctrl_c_while_the_team_finishes_is_raised_after_it(two_threads):
+    strategy = _strategy()
+    finished = []
+
+    def slow():
+        if cs.get_replica_context().replica_id_in_sync_group == 1:
+            time.sleep(0.6)
+            finished.append(1)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(slow)
+    assert finished == [1]  # raised once replica 1 had stopped, not while it ran
+    again = strategy.run(lambda: torch.tensor(cs.get_replica_context().replica_id_in_sync_group))
+    assert [int(v) for v in strategy.experimental_local_results(again)] == [0, 1]
