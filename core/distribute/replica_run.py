@@ -229,7 +229,10 @@ class ReplicaRun:
                         break
                     self._run_replica(replica_id, caller_threads, False)
         finally:
-            if caller_threads is not None and torch.get_num_threads() != caller_threads:
+            # Inside the team's region replica 0 set this thread's own MKL count and torch's
+            # process-wide one, though the region's end hides that from get_num_threads.
+            if caller_threads is not None and (self.team is not None and self.concurrent
+                                               or torch.get_num_threads() != caller_threads):
                 torch.set_num_threads(caller_threads)
         if self.threaded:
             with self.cond:

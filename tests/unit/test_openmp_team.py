@@ -126,3 +126,26 @@ def test_ctrl_c_while_the_team_finishes_is_raised_after_it(two_threads):
     assert finished == [1]  # raised once replica 1 had stopped, not while it ran
     again = strategy.run(lambda: torch.tensor(cs.get_replica_context().replica_id_in_sync_group))
     assert [int(v) for v in strategy.experimental_local_results(again)] == [0, 1]
+
+
+def _mkl_threads() -> int:
+    for line in torch.__config__.parallel_info().splitlines():
+        if "mkl_get_max_threads()" in line:
+            return int(line.split(":")[-1])
+    pytest.skip("torch here has no MKL")
+
+
+@needs_team
+def test_the_callers_thread_counts_come_back_after_the_team(two_threads):
+    # Replica 0 runs on the caller inside the region, where its one-thread share set
+    # MKL's count for this thread and torch's for new threads; the region's end hides
+    # that from torch.get_num_threads(), and the user's own matrix products then ran on
+    # one thread (0.7x plain).
+    strategy = _strategy()
+    strategy.run(lambda: torch.ones(8, 8) @ torch.ones(8, 8))
+    assert _mkl_threads() == 2
+    seen = []
+    fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    fresh.start()
+    fresh.join()
+    assert seen == [2]
