@@ -128,7 +128,12 @@ def hand_threads_loop(name: str, data: list, replicas: int) -> Callable[[], None
     contexts, no TF semantics: the ceiling this machine allows csrun with that many
     replicas (``--reference``)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from csrun.core.distribute.openmp_team import find_team
     pool = ThreadPoolExecutor(max(1, replicas - 1))  # persistent threads, as csrun's
+    # where each replica's share is one thread, its members are the caller's OpenMP
+    # team, as csrun's (docs/performance.md, "OpenMP spinning")
+    team = find_team() if torch.get_num_threads() // replicas == 1 else None
     torch.manual_seed(0)
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -152,10 +157,15 @@ def hand_threads_loop(name: str, data: list, replicas: int) -> Callable[[], None
         for x, y in data:
             opt.zero_grad(set_to_none=True)
             xs, ys, out = x.chunk(replicas), y.chunk(replicas), [None] * replicas
-            pending = [pool.submit(replica, i, xs[i], ys[i], out) for i in range(1, replicas)]
-            replica(0, xs[0], ys[0], out)
-            for done in pending:
-                done.result()
+            if team is not None and replicas <= threads:
+                team.run([lambda i=i: replica(i, xs[i], ys[i], out) for i in range(replicas)],
+                         spare=lambda i, member: pool.submit(member))
+            else:
+                pending = [pool.submit(replica, i, xs[i], ys[i], out)
+                           for i in range(1, replicas)]
+                replica(0, xs[0], ys[0], out)
+                for done in pending:
+                    done.result()
             torch.set_num_threads(threads)
             with torch.no_grad():
                 centrals = list(model.parameters())

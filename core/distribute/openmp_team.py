@@ -46,16 +46,18 @@ class OpenMPTeam:
             getattr(lib, name).restype = ctypes.c_int
 
     def run(self, members: Sequence[Callable[[], None]],
-            spare: Callable[[int, Callable[[], None]], None]) -> None:
+            spare: Callable[[int, Callable[[], None]], None], size: int | None = None) -> None:
         """Run every member at once, member 0 on the calling thread; return when all have.
 
-        Members must not raise (exceptions are caught and re-raised here, but a member
-        that raises leaves the others to finish on their own). Where OpenMP gives a
-        smaller team (a region inside another region gets one thread), member 0 hands the
-        members it lacks to ``spare(index, member)``, which must start them at once on
-        threads of its own: members may wait for each other.
+        The region has ``size`` members (default: one per member). Members must not raise
+        (exceptions are caught and re-raised here, but a member that raises leaves the
+        others to finish on their own). Member 0 hands the members the region lacks
+        (beyond ``size``, or beyond a smaller team OpenMP gave: a region inside another
+        region gets one thread) to ``spare(index, member)``, which must start them at
+        once on threads of its own: members may wait for each other.
         """
         lib, errors, count = self._lib, [], len(members)
+        size = count if size is None else min(size, count)
 
         def member(_data) -> None:
             index = lib.omp_get_thread_num()
@@ -69,7 +71,7 @@ class OpenMPTeam:
                 errors.append(exc)
 
         callback = _MEMBER(member)  # kept alive until the region has ended
-        lib.GOMP_parallel(callback, None, count, 0)
+        lib.GOMP_parallel(callback, None, size, 0)
         if errors:
             raise errors[0]
 

@@ -254,7 +254,8 @@ class ReplicaRun:
         self._start_workers(())
         members = [lambda: self._lead_team(caller_threads)]
         members += [lambda r=r: self._run_replica(r) for r in range(1, self.num_replicas)]
-        self.team.run(members, spare=self.executor.submit)
+        # a member per intra-op thread; replicas beyond them get threads of their own
+        self.team.run(members, spare=self.executor.submit, size=torch.get_num_threads())
 
     def _lead_team(self, caller_threads: int | None) -> None:
         """Replica 0, then wait for the others in Python, where signals are heard (the
@@ -518,13 +519,13 @@ class ExecutionPolicy:
     def team(self) -> OpenMPTeam | None:
         """The OpenMP team that concurrent replicas run as, or None (worker threads).
 
-        Only where every replica is a logical CPU whose share is one intra-op thread and
-        the caller's team has a member for each (more members would add OpenMP threads
-        to the process for good, and with them change how the user's own code waits)."""
+        Only where every replica is a logical CPU whose share is one intra-op thread. The
+        region has one member per intra-op thread, never more: more would add OpenMP
+        threads to the process for good, and with them change how the user's own code
+        waits. Replicas beyond them (4 on 2 threads) run on worker threads beside it."""
         if not self.concurrent or len(self._cpu) != self._num_replicas:
             return None
-        total = torch.get_num_threads()
-        if self._num_replicas > total or total // self._num_replicas > 1:
+        if torch.get_num_threads() // self._num_replicas > 1:
             return None
         return find_team()
 

@@ -149,3 +149,17 @@ def test_the_callers_thread_counts_come_back_after_the_team(two_threads):
     fresh.start()
     fresh.join()
     assert seen == [2]
+
+
+@needs_team
+@pytest.mark.timeout(30)
+def test_replicas_beyond_the_team_run_beside_it_and_meet_it(two_threads):
+    # 4 replicas on 2 intra-op threads: a region of 2 (no OpenMP thread added), the other
+    # 2 on worker threads; all four meet in one all_reduce
+    strategy = _strategy(4)
+
+    def where():
+        total = cs.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+        return torch.tensor([float(team.in_parallel()), float(total)])
+    rows = [v.tolist() for v in strategy.experimental_local_results(strategy.run(where))]
+    assert rows == [[1.0, 4.0], [1.0, 4.0], [0.0, 4.0], [0.0, 4.0]]
