@@ -35,6 +35,31 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert all(t["ci95"] is None and t["verdict"] == "too few rounds" for t in judged.values())
     assert len(result["engine_overhead_rounds_us"]["R2"]) == 2
     assert "target mlp csrun_R2 / plain >= 0.95" in done.stdout
+    assert "TensorFlow's CentralStorageStrategy" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_plain_check_and_clean_env_run(tmp_path):
+    """--plain-check times the plain loop in fresh processes; --clean-env drops the
+    OpenMP variables a user would not set (and the report names any that stay set)."""
+    import os
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    args = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--models",
+            "mlp", "--replicas", "2", "--plain-check", "1", "--json", str(tmp_path / "r.json"),
+            "--plot", str(tmp_path / "p.png")]
+    dirty = subprocess.run(args, capture_output=True, text=True, timeout=280, cwd=tmp_path,
+                           env=env)
+    assert dirty.returncode == 0, dirty.stderr
+    assert "NOTE: measured with {'OMP_WAIT_POLICY': 'PASSIVE'}" in dirty.stdout
+    clean = subprocess.run(args + ["--clean-env"], capture_output=True, text=True,
+                           timeout=280, cwd=tmp_path, env=env)
+    assert clean.returncode == 0, clean.stderr
+    assert "NOTE" not in clean.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["environment"] == {}
+    check = result["plain_after_csrun"]
+    assert len(check["ratios"]) == 1 and check["ratio"] > 0
+    assert "plain loop after csrun / alone" in {t["what"] for t in result["targets"]}
 
 
 def test_runner_overhead_benchmark_runs(tmp_path):
