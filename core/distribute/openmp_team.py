@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -46,34 +47,60 @@ class OpenMPTeam:
             getattr(lib, name).restype = ctypes.c_int
 
     def run(self, members: Sequence[Callable[[], None]],
-            spare: Callable[[int, Callable[[], None]], None], size: int | None = None) -> None:
+            spare: Callable[[int, Callable[[], None]], None], size: int | None = None
+            ) -> tuple[list[int], BaseException | None]:
         """Run every member at once, member 0 on the calling thread; return when all have.
 
-        The region has ``size`` members (default: one per member). Members must not raise
-        (exceptions are caught and re-raised here, but a member that raises leaves the
-        others to finish on their own). Member 0 hands the members the region lacks
-        (beyond ``size``, or beyond a smaller team OpenMP gave: a region inside another
-        region gets one thread) to ``spare(index, member)``, which must start them at
-        once on threads of its own: members may wait for each other.
+        The region has ``size`` members (default: one per member). Member 0 hands the
+        members the region lacks (beyond ``size``, or beyond a smaller team OpenMP gave:
+        a region inside another region gets one thread) to ``spare(index, member)``,
+        which must start them at once on threads of its own: members may wait for each
+        other.
+
+        Returns the members that never started and the first exception a member raised
+        (None if none did): a Ctrl-C lands in the main thread at any line, so member 0
+        may stop before it started its own member or handed the others on; the caller
+        must not wait for those.
         """
         lib, errors, count = self._lib, [], len(members)
         size = count if size is None else min(size, count)
+        started = [False] * count
 
         def member(_data) -> None:
-            index = lib.omp_get_thread_num()
+            # Nothing may unwind into C (ctypes would print it and go on); a signal's
+            # exception may be raised in the except clause too: hence the second guard.
             try:
-                if index == 0:
-                    for missing in range(lib.omp_get_num_threads(), count):
-                        spare(missing, members[missing])
-                if index < count:
-                    members[index]()
-            except BaseException as exc:  # noqa: BLE001 - nothing may unwind into C
+                try:
+                    index = lib.omp_get_thread_num()
+                    if index == 0:
+                        for missing in range(lib.omp_get_num_threads(), count):
+                            started[missing] = True
+                            spare(missing, members[missing])
+                    if index < count:
+                        started[index] = True
+                        members[index]()
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+            except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
 
+        # A signal's exception can also be raised as member 0 is entered, before its
+        # first line: ctypes then hands it to sys.unraisablehook, taken back here.
+        previous = sys.unraisablehook
+
+        def escaped(unraisable) -> None:
+            if unraisable.object is member:
+                errors.append(unraisable.exc_value)
+            else:
+                previous(unraisable)
         callback = _MEMBER(member)  # kept alive until the region has ended
-        lib.GOMP_parallel(callback, None, size, 0)
-        if errors:
-            raise errors[0]
+        sys.unraisablehook = escaped
+        try:
+            lib.GOMP_parallel(callback, None, size, 0)
+        finally:
+            sys.unraisablehook = previous
+        return [i for i, began in enumerate(started) if not began], \
+            (errors[0] if errors else None)
 
     def in_parallel(self) -> bool:
         return bool(self._lib.omp_in_parallel())

@@ -255,7 +255,16 @@ class ReplicaRun:
         members = [lambda: self._lead_team(caller_threads)]
         members += [lambda r=r: self._run_replica(r) for r in range(1, self.num_replicas)]
         # a member per intra-op thread; replicas beyond them get threads of their own
-        self.team.run(members, spare=self.executor.submit, size=torch.get_num_threads())
+        missed, error = self.team.run(members, spare=self.executor.submit,
+                                      size=torch.get_num_threads())
+        if error is None:
+            return
+        # A signal landed outside replica 0's own guard: nothing runs replica 0 (nor
+        # replicas never handed on) any more, so nobody may wait for them.
+        self._fail(None, error)
+        for replica_id in {0, *missed}:
+            if self.status[replica_id] not in _FINAL:
+                self._set_final(replica_id, "aborted")
 
     def _lead_team(self, caller_threads: int | None) -> None:
         """Replica 0, then wait for the others in Python, where signals are heard (the
