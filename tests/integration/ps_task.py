@@ -3,7 +3,8 @@
 Knobs (environment): PS_STEPS (steps to train), PS_DIE_AT (os._exit(3) after that step),
 PS_RESULT (where to write the result JSON; PS_RESULT + ".progress" holds the steps done),
 PS_SLEEP (seconds between steps), PS_HOLD (a file that must exist before the task
-finishes: tests use it to keep the chief alive while another worker restarts).
+finishes: tests use it to keep the chief alive while another worker restarts), PS_GO (a
+file that must exist before the first step; PS_RESULT + ".ready" says the task waits).
 """
 
 import json
@@ -48,6 +49,11 @@ def train() -> int:
         return loss.detach()
 
     progress = os.environ["PS_RESULT"] + ".progress"
+    if os.environ.get("PS_GO"):  # start together: say so, then wait for the word
+        open(os.environ["PS_RESULT"] + ".ready", "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.environ["PS_GO"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
     for i in range(steps):
         j = (i * 16) % 512
         optimizer.zero_grad()

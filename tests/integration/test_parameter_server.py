@@ -34,9 +34,10 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, job: str, index: int, steps: int = 30, die_at: int = -1,
-              sleep: float = 0.01, tag: str = "", hold: str = "") -> subprocess.Popen:
+              sleep: float = 0.01, tag: str = "", hold: str = "",
+              go: str = "") -> subprocess.Popen:
         env = dict(os.environ, PS_STEPS=str(steps), PS_DIE_AT=str(die_at), PS_SLEEP=str(sleep),
-                   PS_HOLD=hold,
+                   PS_HOLD=hold, PS_GO=go,
                    PS_RESULT=str(self.tmp / f"{job}{index}{tag}.json"),
                    TF_CONFIG=json.dumps({"cluster": self.spec,
                                          "task": {"type": job, "index": index}}))
@@ -75,10 +76,20 @@ def cluster(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_loss_falls_variables_on_ps_updates_interleave(cluster):
+def test_loss_falls_variables_on_ps_updates_interleave(cluster, tmp_path):
+    # The workers start their steps together: on a loaded machine one of them could
+    # otherwise connect seconds after the other had done most of its steps.
+    go = tmp_path / "go"
     cluster.start("ps", 0)
-    cluster.start("worker", 0, steps=40)
-    cluster.start("worker", 1, steps=40)
+    cluster.start("worker", 0, steps=40, go=str(go))
+    cluster.start("worker", 1, steps=40, go=str(go))
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"worker{i}.json.ready").exists() for i in (0, 1)):
+        assert time.monotonic() < deadline, "the workers did not connect"
+        for name in ("worker0", "worker1"):
+            assert cluster.procs[name].poll() is None, cluster.procs[name].communicate()[1]
+        time.sleep(0.02)
+    go.touch()
     for name in ("worker0", "worker1", "ps0"):
         code, err = cluster.wait(name)
         assert code == 0, err
