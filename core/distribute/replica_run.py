@@ -140,7 +140,8 @@ class ReplicaRun:
         use; None for a run without collectives.
       random: each replica's :class:`ReplicaRandom` (None: the global generator), entered
         around its body.
-      team: the OpenMP team that concurrent replicas run as (None: worker threads).
+      team: the OpenMP team that concurrent replicas run as (None, or an ordered run:
+        worker threads).
     """
 
     # Rendezvous state starts as these class-level defaults and becomes the run's own only
@@ -170,7 +171,7 @@ class ReplicaRun:
         self.servings = servings  # not mutated
         self.make_collectives = make_collectives
         self.random = random
-        self.team = team
+        self.team = team if self.concurrent else None
         self.results: list = [None] * num_replicas
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
@@ -218,7 +219,7 @@ class ReplicaRun:
         # caller's count comes back once at the end (not after each replica).
         caller_threads = torch.get_num_threads() if self.threads else None
         try:
-            if self.concurrent and self.team is not None:
+            if self.team is not None:
                 self._run_as_team(caller_threads)
             elif self.concurrent:
                 self._start_workers(range(1, self.num_replicas))
@@ -231,7 +232,7 @@ class ReplicaRun:
         finally:
             # Inside the team's region replica 0 set this thread's own MKL count and torch's
             # process-wide one, though the region's end hides that from get_num_threads.
-            if caller_threads is not None and (self.team is not None and self.concurrent
+            if caller_threads is not None and (self.team is not None
                                                or torch.get_num_threads() != caller_threads):
                 torch.set_num_threads(caller_threads)
         if self.threaded:
@@ -534,9 +535,7 @@ class ExecutionPolicy:
         waits. Replicas beyond them (4 on 2 threads) run on worker threads beside it."""
         if not self.concurrent or len(self._cpu) != self._num_replicas:
             return None
-        if torch.get_num_threads() // self._num_replicas > 1:
-            return None
-        return find_team()
+        return find_team() if self.threads()[0] == 1 else None
 
     def random(self) -> list | None:
         """Each replica's random stream for the next run, to be seeded from one draw of
