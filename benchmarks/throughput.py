@@ -131,9 +131,10 @@ def hand_threads_loop(name: str, data: list, replicas: int) -> Callable[[], None
 
     from csrun.core.distribute.openmp_team import find_team
     pool = ThreadPoolExecutor(max(1, replicas - 1))  # persistent threads, as csrun's
-    # where each replica's share is one thread, its members are the caller's OpenMP
-    # team, as csrun's (docs/performance.md, "OpenMP spinning")
-    team = find_team() if torch.get_num_threads() // replicas == 1 else None
+    # where each replica's share is one thread, the replicas run as the caller's OpenMP
+    # team (a member per thread, the rest on the pool), as csrun's (docs/performance.md,
+    # "OpenMP spinning")
+    team = find_team() if torch.get_num_threads() // replicas <= 1 else None
     torch.manual_seed(0)
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -157,9 +158,15 @@ def hand_threads_loop(name: str, data: list, replicas: int) -> Callable[[], None
         for x, y in data:
             opt.zero_grad(set_to_none=True)
             xs, ys, out = x.chunk(replicas), y.chunk(replicas), [None] * replicas
-            if team is not None and replicas <= threads:
-                team.run([lambda i=i: replica(i, xs[i], ys[i], out) for i in range(replicas)],
-                         spare=lambda i, member: pool.submit(member))
+            if team is not None:
+                beside: list = []  # replicas beyond the team's members, on the pool
+                _, error = team.run(
+                    [lambda i=i: replica(i, xs[i], ys[i], out) for i in range(replicas)],
+                    spare=lambda i, member: beside.append(pool.submit(member)), size=threads)
+                for done in beside:
+                    done.result()
+                if error is not None:
+                    raise error
             else:
                 pending = [pool.submit(replica, i, xs[i], ys[i], out)
                            for i in range(1, replicas)]
