@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from replica_training import train_bits
 
 import csrun.core as cs
 
@@ -628,27 +629,6 @@ def test_no_warnings_in_a_normal_training_step():
 
 
 # -- execution policy ---------------------------------------------------------------------
-def _train_bits(strategy, dropout=False, steps=6):
-    torch.manual_seed(0)
-    with strategy.scope():
-        layers = [torch.nn.Linear(64, 256), torch.nn.ReLU()]
-        if dropout:
-            layers.append(torch.nn.Dropout(0.5))
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(256, 64, generator=g), torch.randint(0, 4, (256,), generator=g))
-            for _ in range(steps)]
-
-    def step(x, y):
-        F.cross_entropy(model(x), y, reduction="sum").div(256).backward()
-    for x, y in strategy.experimental_distribute_dataset(data):
-        opt.zero_grad()
-        strategy.run(step, args=(x, y))
-        opt.step()
-    return b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-
-
 def test_quick_replicas_stay_ordered_on_the_calling_thread():
     strategy = _strategy(2)
     assert strategy.extended.execution == "probe"
@@ -660,17 +640,17 @@ def test_quick_replicas_stay_ordered_on_the_calling_thread():
 
 def test_long_replicas_run_concurrently_and_results_still_repeat_bit_for_bit():
     first = _strategy(2)
-    bits = _train_bits(first)
+    bits = train_bits(first)
     assert first.extended.execution == "concurrent"
-    assert _train_bits(_strategy(2)) == bits
+    assert train_bits(_strategy(2)) == bits
 
 
 def test_replicas_using_dropout_run_concurrently_and_repeat_bit_for_bit():
     # each replica draws from its own generator (more in test_replica_random.py)
     strategy = _strategy(2)
-    bits = _train_bits(strategy, dropout=True)
+    bits = train_bits(strategy, dropout=True)
     assert strategy.extended.execution == "concurrent"
-    assert _train_bits(_strategy(2), dropout=True) == bits
+    assert train_bits(_strategy(2), dropout=True) == bits
 
 
 def test_a_concurrent_run_that_draws_random_numbers_switches_back_with_a_warning():

@@ -130,7 +130,7 @@ def test_ctrl_c_while_the_team_runs_is_raised_after_it(two_threads):
     for _ in range(5):
         finished = []
 
-        def slow():
+        def slow(finished=finished):
             if cs.get_replica_context().replica_id_in_sync_group == 1:
                 os.kill(os.getpid(), signal.SIGINT)  # from inside: it cannot come late
                 time.sleep(0.2)

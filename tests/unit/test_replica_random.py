@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from replica_training import train_bits
 
 import csrun.core as cs
 from csrun.core.distribute.replica_random import ReplicaRandom
@@ -17,41 +18,22 @@ def _strategy(n=2, **options):
                                      options=cs.StrategyOptions(**options))
 
 
-def _train_bits(strategy, seed=0, steps=6):
-    torch.manual_seed(seed)
-    with strategy.scope():
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                    torch.nn.Dropout(0.5), torch.nn.Linear(256, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(256, 64, generator=g), torch.randint(0, 4, (256,), generator=g))
-            for _ in range(steps)]
-
-    def step(x, y):
-        F.cross_entropy(model(x), y, reduction="sum").div(256).backward()
-    for x, y in strategy.experimental_distribute_dataset(data):
-        opt.zero_grad()
-        strategy.run(step, args=(x, y))
-        opt.step()
-    return b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-
-
 def test_dropout_replicas_run_concurrently_and_repeat_bit_for_bit():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         auto = _strategy(2)
-        bits = _train_bits(auto)
+        bits = train_bits(auto, dropout=True)
         assert auto.extended.execution == "concurrent"
-        assert _train_bits(_strategy(2)) == bits
+        assert train_bits(_strategy(2), dropout=True) == bits
         ordered = _strategy(2, execution="ordered")
-        assert _train_bits(ordered) == bits
+        assert train_bits(ordered, dropout=True) == bits
         assert ordered.extended.execution == "ordered"
-        assert _train_bits(_strategy(2, execution="concurrent")) == bits
-    assert _train_bits(_strategy(2), seed=1) != bits
+        assert train_bits(_strategy(2, execution="concurrent"), dropout=True) == bits
+    assert train_bits(_strategy(2), seed=1, dropout=True) != bits
 
 
 def test_one_replica_draws_as_a_plain_loop_does():
-    bits = _train_bits(_strategy(1))
+    bits = train_bits(_strategy(1), dropout=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                                 torch.nn.Dropout(0.5), torch.nn.Linear(256, 4))
