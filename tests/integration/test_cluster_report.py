@@ -1,15 +1,12 @@
 """The chief's final report agrees with what happened: a worker killed and restarted
 rejoins and is not "lost"; the global steps the tasks report say what they count."""
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from cluster_tasks import ClusterTasks
 
 from csrun.core.runner.launch import free_ports
 
@@ -26,46 +23,18 @@ train: {steps: STEPS, log_every: 10}
 """
 
 
-class Job:
+class Job(ClusterTasks):
     """A chief, a worker and a ps as `csrun train` processes with their TF_CONFIG."""
 
     def __init__(self, folder: Path, steps: int):
-        self.folder = folder
         (folder / "c.yaml").write_text(CONFIG.replace("STEPS", str(steps)))
         ports = free_ports(3)
-        self.cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
-                        "worker": [f"127.0.0.1:{ports[1]}"], "ps": [f"127.0.0.1:{ports[2]}"]}
-        self.procs: list[subprocess.Popen] = []
+        super().__init__(folder, {"chief": [f"127.0.0.1:{ports[0]}"],
+                                  "worker": [f"127.0.0.1:{ports[1]}"],
+                                  "ps": [f"127.0.0.1:{ports[2]}"]})
 
     def start(self, job: str, name: str, overrides: tuple = ()) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
-        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster,
-                                       "task": {"type": job, "index": 0}})
-        log = open(self.folder / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "csrun.cli.main", "train", "c.yaml",
-                                 *overrides, "--json", f"{name}.json"], cwd=self.folder,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.folder / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def wait_log(self, name: str, text: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(name):
-            assert time.monotonic() < deadline, f"no {text!r} in {name}: {self.log(name)}"
-            time.sleep(0.05)
-
-    def result(self, name: str) -> dict:
-        return json.loads((self.folder / f"{name}.json").read_text())
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        return self.spawn(job, 0, name, overrides)
 
 
 @pytest.fixture

@@ -9,15 +9,12 @@ the same ``params_sha256``: the network moves every value bit for bit.
 """
 
 import importlib.util
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from cluster_tasks import ClusterTasks
 
 from csrun.core.runner.launch import free_ports
 
@@ -56,41 +53,18 @@ def hosts():
         ["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
 
 
-class Job:
+class Job(ClusterTasks):
     """ps:0, worker:0 (chief), worker:1 as `csrun train` processes; ``place(task)`` wraps
     a command to run it on its host (or leaves it on loopback)."""
 
     def __init__(self, folder: Path, addresses: list[str], place, steps: int):
-        self.folder, self.place, self.steps = folder, place, steps
         folder.mkdir(exist_ok=True)
         (folder / "c.yaml").write_text(CONFIG.replace("STEPS", str(steps)))
-        self.cluster = {"ps": [addresses[0]], "worker": addresses[1:]}
-        self.procs: list[subprocess.Popen] = []
+        super().__init__(folder, {"ps": [addresses[0]], "worker": addresses[1:]})
+        self.place, self.steps = place, steps
 
     def start(self, job: str, index: int, name: str) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
-        env.update(OMP_NUM_THREADS="1", TF_CONFIG=json.dumps(
-            {"cluster": self.cluster, "task": {"type": job, "index": index}}))
-        argv = [sys.executable, "-m", "csrun.cli.main", "train", "c.yaml", "--json",
-                f"{name}.json"]
-        proc = subprocess.Popen(self.place(job, index, argv), cwd=self.folder, env=env,
-                                stdout=open(self.folder / f"{name}.log", "w"),
-                                stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.folder / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def wait_log(self, name: str, text: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(name):
-            assert time.monotonic() < deadline, f"no {text!r} in {name}: {self.log(name)}"
-            time.sleep(0.05)
-
-    def result(self, name: str) -> dict:
-        return json.loads((self.folder / f"{name}.json").read_text())
+        return self.spawn(job, index, name, place=self.place, env={"OMP_NUM_THREADS": "1"})
 
     def in_turns(self) -> dict:
         """The chief trains its steps, then worker:1 trains its own; the chief's result."""
@@ -100,12 +74,6 @@ class Job:
         for proc, name in ((worker, "worker"), (chief, "chief"), (ps, "ps")):
             assert proc.wait(timeout=180) == 0, self.log(name)
         return self.result("chief")
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 def on_hosts(hosts):
