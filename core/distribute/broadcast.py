@@ -19,8 +19,7 @@ __all__ = ["DeviceMirror"]
 class _Group:
     """The tensors of one dtype and their flat mirror."""
 
-    def __init__(self, tensors: list, device: torch.device, param_device: torch.device,
-                 grad_hook=None):
+    def __init__(self, tensors: list, device: torch.device, param_device: torch.device):
         self.tensors = tensors
         self.numels = [t.numel() for t in tensors]
         total = sum(self.numels)
@@ -30,21 +29,13 @@ class _Group:
         self.copied = None  # an event: the last copy out of ``staging`` has finished
         if device.type == "cuda" and param_device.type == "cpu":
             self.staging = torch.empty(total, dtype=dtype, pin_memory=True)
-        self.grad_hook = grad_hook  # called after a gradient accumulates in a leaf
         self.leaves = []
         offset = 0
         for tensor, numel in zip(tensors, self.numels):
             view = self.flat[offset:offset + numel].view(tensor.shape)
-            self.leaves.append(self._watch(view.detach().requires_grad_(tensor.requires_grad)))
+            self.leaves.append(view.detach().requires_grad_(tensor.requires_grad))
             offset += numel
         self.stamp = None
-
-    def _watch(self, leaf: torch.Tensor) -> torch.Tensor:
-        """Give ``leaf`` the grad hook (once, and only while it requires grad)."""
-        if self.grad_hook is not None and leaf.requires_grad \
-                and not leaf._post_accumulate_grad_hooks:
-            leaf.register_post_accumulate_grad_hook(self.grad_hook)
-        return leaf
 
     def refresh(self) -> None:
         stamp = [(t._version, t.data_ptr(), t.requires_grad) for t in self.tensors]
@@ -52,7 +43,7 @@ class _Group:
             return
         for tensor, leaf in zip(self.tensors, self.leaves):  # frozen or unfrozen since
             if leaf.requires_grad != tensor.requires_grad:
-                self._watch(leaf.requires_grad_(tensor.requires_grad))
+                leaf.requires_grad_(tensor.requires_grad)
         with torch.no_grad():
             flat = [t.detach().reshape(-1) for t in self.tensors]
             if self.staging is not None:
@@ -72,10 +63,9 @@ class _Group:
 class DeviceMirror:
     """Flat copies of a store's tracked tensors on one replica device."""
 
-    def __init__(self, device: torch.device, param_device: torch.device, grad_hook=None):
+    def __init__(self, device: torch.device, param_device: torch.device):
         self.device = device
         self.param_device = param_device
-        self.grad_hook = grad_hook
         self._groups: list[_Group] = []
         self._leaf_of: dict = {}
         self._generation = -1
@@ -104,7 +94,7 @@ class DeviceMirror:
         by_dtype: dict = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        self._groups = [_Group(ts, self.device, self.param_device, self.grad_hook)
+        self._groups = [_Group(ts, self.device, self.param_device)
                         for ts in by_dtype.values()]
         self._leaf_of = {}
         for group in self._groups:

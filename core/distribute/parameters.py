@@ -18,9 +18,11 @@ that replica's *leaf* for the central parameter:
 the parameter device (one coalesced copy per replica device) and added to the central
 ``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
-collected when that backward ends (a hook on each leaf queues one callback per backward
-with the autograd engine, as DDP does), so ``clip_grad_norm_`` and ``GradScaler.unscale_``
-see them; before ``optimizer.step()`` and each ``run`` as well. Alias leaves hold the central
+collected when that backward ends (a pre-hook on each output's ``grad_fn`` queues one
+callback per backward with the autograd engine, as DDP does), so ``clip_grad_norm_`` and
+``GradScaler.unscale_`` see them; before ``optimizer.step()`` and each ``run`` as well.
+The leaves themselves carry no hook: a Python hook in every replica's backward takes the
+GIL once per parameter, and two replicas contending for it ran 15-20% slower. Alias leaves hold the central
 tensors weakly: a model deleted by the user is freed, not kept by its replicas (device
 mirrors, for copies, still keep theirs: see :meth:`ParameterStore.forget`).
 
@@ -36,6 +38,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
@@ -210,7 +213,7 @@ class ParameterStore:
         # hook has them collected at the end of the backward that made them.
         self._running = False
         self._queued_task = None  # the backward whose end already flushes
-        self._grad_hook = _leaf_grad_hook(weakref.ref(self))  # weak: leaves live in self
+        self._late_hook = _late_backward_hook(weakref.ref(self))  # weak: graphs outlive runs
         # id(central) -> this run's leaf, per replica: what compiled code reads (filled
         # by the first compiled read, then renewed by every begin_run)
         self.compiled_leaves: list[dict] = [{} for _ in self.compute_devices]
@@ -302,6 +305,17 @@ class ParameterStore:
                 break
         self._running = False
         self.flush_pending()
+
+    def watch_outputs(self, outputs: list) -> None:
+        """A backward through these outputs of a run may come after it: have the end of
+        that backward collect the leaves' gradients (one pre-hook per output grad_fn)."""
+        if self.direct:
+            return
+        for node in _grad_fns(outputs):
+            marks = node.metadata
+            if marks.get("csrun_late_hook") is not self._late_hook:  # once per node
+                marks["csrun_late_hook"] = self._late_hook
+                node.register_prehook(self._late_hook)
 
     def discard_run(self, servings: list["ReplicaServing"]) -> None:
         """Forget what a failed run's replicas produced (earlier runs' leaves stay
@@ -408,8 +422,6 @@ class ParameterStore:
                     and leaf.requires_grad == central.requires_grad):
                 return leaf
         leaf = central.detach().requires_grad_(central.requires_grad)
-        if leaf.requires_grad:
-            leaf.register_post_accumulate_grad_hook(self._grad_hook)
         cache[id(central)] = (weakref.ref(central), leaf)
         self._follow(central)
         return leaf
@@ -418,7 +430,7 @@ class ParameterStore:
         mirror = self._mirrors[replica_id]
         if mirror is None:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device,
-                                  self._torch_param, self._grad_hook)
+                                  self._torch_param)
             self._mirrors[replica_id] = mirror
         return mirror
 
@@ -561,13 +573,32 @@ class ReplicaServing:
             leaf.grad = None
 
 
-def _leaf_grad_hook(store_ref: "weakref.ref[ParameterStore]"):
-    """The post-accumulate-grad hook of a store's replica leaves."""
-    def hook(leaf: torch.Tensor) -> None:
+def _late_backward_hook(store_ref: "weakref.ref[ParameterStore]"):
+    """The pre-hook on run outputs' grad_fns: a backward outside a run flushes at its end
+    (inside one, the run's end collects)."""
+    def hook(grad_outputs) -> None:
         store = store_ref()
-        if store is not None and not store._running:  # in a run, finish_run collects
+        if store is not None and not store._running:
             store.flush_after_backward()
     return hook
+
+
+def _grad_fns(outputs: Any):
+    """The grad_fn of every tensor in a nest of run outputs (tuples, lists, dicts and
+    whatever torch's pytree knows), skipping tensors without a graph."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs.grad_fn is not None:
+            yield outputs.grad_fn
+    elif isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            yield from _grad_fns(item)
+    elif isinstance(outputs, dict):
+        for item in outputs.values():
+            yield from _grad_fns(item)
+    elif outputs is not None and not isinstance(outputs, (int, float, str, bool)):
+        leaves = pytree.tree_leaves(outputs)
+        if leaves != [outputs]:
+            yield from _grad_fns(leaves)
 
 
 def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:

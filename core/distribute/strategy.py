@@ -460,6 +460,7 @@ class ParameterServerStrategyExtended:
             if streams is not None:
                 self._join_streams(streams)
             self._store.finish_run(servings)
+            self._store.watch_outputs(outputs)
         except BaseException:
             self._store.discard_run(servings)
             raise

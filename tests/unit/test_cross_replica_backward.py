@@ -149,3 +149,59 @@ def test_an_outside_backward_on_another_thread_fills_grad():
     worker.start()
     worker.join()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("replicas,copy", CASES)
+def test_outputs_nested_in_dicts_and_tuples_fill_grad_when_their_backward_returns(
+        replicas, copy):
+    strategy = _strategy(replicas, copy)
+    with strategy.scope():
+        model = _model()
+    x, y = _batches(1)[0]
+    (xs, ys) = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    out = strategy.run(lambda a, b: {"stats": (a.sum(), _loss(model, a, b))}, args=(xs, ys))
+    strategy.reduce("SUM", out["stats"][1], axis=None).backward()
+    plain = _model()
+    _loss(plain, x, y).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas,copy", [(2, False), (2, True)])
+def test_replica_leaves_carry_no_hook_a_backward_inside_would_take_the_gil_for(
+        replicas, copy):
+    # a Python hook on a leaf runs in every replica's backward, under the GIL: two CPU
+    # replicas contending for it ran 15-20% slower (docs/concepts.md)
+    strategy = _strategy(replicas, copy)
+    with strategy.scope():
+        model = _model()
+    leaves = []
+
+    def step(x, y):
+        _loss(model, x, y).backward()
+        leaves.extend(p for p in model.parameters())
+    x, y = _batches(1)[0]
+    strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
+    centrals = {id(p) for p in model.parameters()}
+    assert leaves and not centrals & {id(leaf) for leaf in leaves}  # the replicas' own
+    assert all(not leaf._post_accumulate_grad_hooks for leaf in leaves)
+
+
+def test_a_kept_tensor_backpropagated_later_reaches_grad_by_the_optimizer_step():
+    # not returned from run, so no hook sees its backward end; optimizer.step() collects
+    strategy = _strategy(2, False)
+    kept = []
+    with strategy.scope():
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _batches(1)[0]
+    dist = strategy.experimental_distribute_dataset([(x, y)])
+    strategy.run(lambda a, b: kept.append(_loss(model, a, b)), args=next(iter(dist)))
+    sum(kept).backward()
+    opt.step()
+    plain = _model()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    _loss(plain, x, y).backward()
+    plain_opt.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
