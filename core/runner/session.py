@@ -212,15 +212,15 @@ class _Tally:
 
     def add(self, per_replica: Sequence[dict], phases: dict[str, float]) -> None:
         self.steps += 1
-        for r, stats in enumerate(per_replica):
+        for r, stats in enumerate(per_replica):  # Python numbers (_replica_numbers)
             _add_metrics(vars(self), stats)
-            examples, loss = int(stats["examples"]), float(stats["loss"])
+            examples, loss = stats["examples"], stats["loss"]
             self.examples += examples
             self.loss += loss
-            self.correct += int(stats["correct"])
+            self.correct += stats["correct"]
             self.replica_examples[r] += examples
             self.replica_loss[r] += loss
-            self.replica_seconds[r] += float(stats["seconds"])
+            self.replica_seconds[r] += stats["seconds"]
         for name, seconds in phases.items():
             self.phases[name] += seconds
 
@@ -550,8 +550,11 @@ class Session:
     def _replica_step(self, batch: Any, step_examples: int, scale: float) -> dict:
         """One replica's part of a step (replica context): forward, backward, stats."""
         begin = time.perf_counter()
-        with self.precision.autocast(_device_type(batch)):
+        if self.precision.dtype is None:  # fp32: no autocast to enter
             stats = self.objective.stats(self.forward_model, batch)
+        else:
+            with self.precision.autocast(_device_type(batch)):
+                stats = self.objective.stats(self.forward_model, batch)
         # divided by all the step's examples (every replica, every accumulated batch):
         # the summed gradients are those of the step's mean
         loss = stats["loss"].float() / step_examples
@@ -570,13 +573,12 @@ class Session:
         t0 = time.perf_counter()
         outs = [strategy.run(self._replica_step, args=(b, examples, scale)) for b in batches]
         t1 = time.perf_counter()
-        per_replica = _sum_stats([strategy.experimental_local_results(o) for o in outs])
+        per_replica = _replica_numbers([strategy.experimental_local_results(o) for o in outs])
         self._check_finite(per_replica)
         grad_norm = self._update()
         t2 = time.perf_counter()
-        totals = [strategy.reduce("SUM", {k: o[k] for k in ("loss", "examples")}, axis=None)
-                  for o in outs]
-        loss = sum(float(t["loss"]) for t in totals) / sum(int(t["examples"]) for t in totals)
+        loss = sum(float(strategy.reduce("SUM", o["loss"], axis=None)) for o in outs) / \
+            max(sum(s["examples"] for s in per_replica), 1)
         t3 = time.perf_counter()
         self._record(per_replica, loss, {"distribute": distribute_s, "run": t1 - t0,
                                          "update": t2 - t1, "reduce": t3 - t2},
@@ -604,7 +606,7 @@ class Session:
 
     def _check_finite(self, per_replica: Sequence[dict]) -> None:
         for replica, stats in enumerate(per_replica):
-            value = float(stats["loss"])
+            value = stats["loss"]
             if not math.isfinite(value):
                 raise NonFiniteLoss(
                     f"the loss is {value} at step {self.step + 1} on replica {replica} "
@@ -626,11 +628,11 @@ class Session:
         self.losses.append(loss)
         for tally in (self.totals, self.window, self.session):
             tally.add(per_replica, phases)
-        seconds = [float(s["seconds"]) for s in per_replica]
+        seconds = [s["seconds"] for s in per_replica]
         if self.outputs.plot:
             self.step_times.append(seconds)
-        examples = sum(int(s["examples"]) for s in per_replica)
-        correct = sum(int(s["correct"]) for s in per_replica)
+        examples = sum(s["examples"] for s in per_replica)
+        correct = sum(s["correct"] for s in per_replica)
         record = {"step": self.step, "epoch": self.epoch, "loss": loss,
                   "accuracy": correct / examples if self.classify else None,
                   "examples": examples, "learning_rate": self._lr(),
@@ -865,18 +867,20 @@ def _device_type(batch: Any) -> str:
     return leaf.device.type if isinstance(leaf, torch.Tensor) else "cpu"
 
 
-def _sum_stats(runs: list[Sequence[dict]]) -> Sequence[dict]:
-    """Each replica's stats summed over the runs of an accumulated step (as floats)."""
-    if len(runs) == 1:
-        return runs[0]
-    summed = []
+def _replica_numbers(runs: list[Sequence[dict]]) -> list[dict[str, Any]]:
+    """Each replica's stats as Python numbers, summed over the runs of an accumulated
+    step: converted once here, then read by the checks, tallies and the step record."""
+    numbers = []
     for replica in zip(*runs):
-        total: dict[str, Any] = {key: sum(float(s[key]) for s in replica)
-                                 for key in ("loss", "examples", "correct", "seconds")}
+        total: dict[str, Any] = {"loss": 0.0, "examples": 0, "correct": 0, "seconds": 0.0}
         for stats in replica:
+            total["loss"] += float(stats["loss"])
+            total["examples"] += int(stats["examples"])
+            total["correct"] += int(stats["correct"])
+            total["seconds"] += float(stats["seconds"])
             _add_metrics(total, stats)
-        summed.append(total)
-    return summed
+        numbers.append(total)
+    return numbers
 
 
 def _first_leaf(batch: Any) -> Any:
