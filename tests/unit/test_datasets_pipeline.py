@@ -69,6 +69,45 @@ def test_small_shuffle_buffer_only_mixes_locally():
     assert all(abs(pos - value) < 50 for pos, value in enumerate(order))
 
 
+def _reference_shuffle(stream, buffer, seed):
+    """tf.data's buffered shuffle one example at a time (the plan's order before it was
+    worked out in chunks): a plan must not change order across releases (resume)."""
+    rng, window, draws = np.random.default_rng(seed), [], []
+    for item in stream:
+        if len(window) < buffer:
+            window.append(item)
+            continue
+        if not draws:
+            draws = rng.random(1024).tolist()
+        j = int(draws.pop() * buffer)
+        yield window[j]
+        window[j] = item
+    while window:
+        if not draws:
+            draws = rng.random(1024).tolist()
+        j = int(draws.pop() * len(window))
+        yield window[j]
+        window[j] = window[-1]
+        window.pop()
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 1000, 4097])
+@pytest.mark.parametrize("buffer", [1, 7, 256, 300, 5000])
+def test_shuffle_order_is_the_example_by_example_buffered_shuffle(n, buffer):
+    from csrun.core.data.pipeline import _shuffled
+    assert list(_shuffled(iter(range(n)), buffer, 3)) == \
+        list(_reference_shuffle(iter(range(n)), buffer, 3))
+
+
+def test_shuffle_reads_an_endless_stream_only_a_window_ahead():
+    import itertools
+
+    from csrun.core.data.pipeline import _shuffled
+    stream = itertools.count()
+    assert len(list(itertools.islice(_shuffled(stream, 10, 0), 5))) == 5
+    assert next(stream) <= 20  # the window and one chunk of at most its size
+
+
 def test_repeat_reshuffles_each_repetition():
     p = pipeline([{"op": "shuffle", "buffer": 10}, {"op": "repeat", "count": 2},
                   {"op": "batch", "size": 10}])
