@@ -568,7 +568,7 @@ class Session:
         is run, the gradients add up centrally, then one update."""
         strategy = self.strategy
         examples = sum(self._global_examples(_first_leaf(b)) for b in batches)
-        self.optimizer.zero_grad(set_to_none=True)
+        clear_grads(self.optimizer)
         scale = self.precision.loss_scale()
         t0 = time.perf_counter()
         outs = [strategy.run(self._replica_step, args=(b, examples, scale)) for b in batches]
@@ -853,6 +853,18 @@ class Session:
                 "slowest_replica": int(np.argmax(times)) if times else None,
                 "examples_max_over_min": max(examples) / min(examples) if min(examples) > 0
                 else None}
+
+
+def clear_grads(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, without the profiler span and dynamo
+    guard torch wraps it in (~20 µs a step uncontended, 0.1 ms beside running replicas,
+    for 6 parameters). An optimizer class with a ``zero_grad`` of its own keeps it."""
+    if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 def _compiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -223,3 +223,28 @@ def test_compile_does_not_recompile_per_step(monkeypatch, steps):
     torch._dynamo.reset()
     fitted("train.compile=true", f"train.steps={steps}", "dataset.steps.1.drop_remainder=true")
     assert 1 <= counter.frame_count <= 4  # at most 2 a replica, whatever the step count
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer with a zero_grad of its own (e.g. one that keeps flat grad buffers)."""
+
+    calls = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        type(self).calls += 1
+        super().zero_grad(set_to_none)
+
+
+def test_clearing_grads_skips_torchs_wrapper_but_keeps_an_optimizers_own_zero_grad(
+        monkeypatch):
+    layer = torch.nn.Linear(3, 2)
+    layer(torch.ones(1, 3)).sum().backward()
+    plain = torch.optim.SGD(layer.parameters(), lr=0.1)
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda *a, **k: 1 / 0)
+    session_module.clear_grads(plain)  # does not go through the (patched) method
+    assert all(p.grad is None for p in layer.parameters())
+    monkeypatch.undo()
+    layer(torch.ones(1, 3)).sum().backward()
+    own = _CountingSGD(layer.parameters(), lr=0.1)
+    session_module.clear_grads(own)
+    assert _CountingSGD.calls == 1 and all(p.grad is None for p in layer.parameters())
