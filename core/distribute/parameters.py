@@ -33,6 +33,7 @@ copies that a replica wrote are combined by the buffer's :class:`VariableAggrega
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from typing import Any
@@ -209,8 +210,8 @@ class ParameterStore:
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
         self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
-        # In a run, finish_run collects the leaves' gradients; outside one, the leaves'
-        # hook has them collected at the end of the backward that made them.
+        # In a run, finish_run collects the leaves' gradients; outside one, a hook on
+        # the run's outputs has them collected at the end of the backward through them.
         self._running = False
         self._queued_task = None  # the backward whose end already flushes
         self._late_hook = _late_backward_hook(weakref.ref(self))  # weak: graphs outlive runs
@@ -308,14 +309,22 @@ class ParameterStore:
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
-        that backward collect the leaves' gradients (one pre-hook per output grad_fn)."""
+        that backward collect the leaves' gradients. One pre-hook per output's grad_fn;
+        an output that is itself a leaf (a returned parameter) gets a post-accumulate
+        hook instead, which stays on it (and takes the GIL in later runs' backwards)."""
         if self.direct:
             return
-        for node in _grad_fns(outputs):
+        hook = self._late_hook
+        for tensor in _graph_tensors(outputs, set()):
+            node = tensor.grad_fn
+            if node is None:  # a leaf that requires grad
+                if hook not in (tensor._post_accumulate_grad_hooks or {}).values():
+                    tensor.register_post_accumulate_grad_hook(hook)
+                continue
             marks = node.metadata
-            if marks.get("csrun_late_hook") is not self._late_hook:  # once per node
-                marks["csrun_late_hook"] = self._late_hook
-                node.register_prehook(self._late_hook)
+            if marks.get("csrun_late_hook") is not hook:  # once per node
+                marks["csrun_late_hook"] = hook
+                node.register_prehook(hook)
 
     def discard_run(self, servings: list["ReplicaServing"]) -> None:
         """Forget what a failed run's replicas produced (earlier runs' leaves stay
@@ -574,31 +583,41 @@ class ReplicaServing:
 
 
 def _late_backward_hook(store_ref: "weakref.ref[ParameterStore]"):
-    """The pre-hook on run outputs' grad_fns: a backward outside a run flushes at its end
-    (inside one, the run's end collects)."""
-    def hook(grad_outputs) -> None:
+    """The hook on run outputs (a grad_fn pre-hook, or a post-accumulate hook on an
+    output that is a leaf): a backward outside a run flushes at its end (inside one,
+    the run's end collects)."""
+    def hook(_) -> None:
         store = store_ref()
         if store is not None and not store._running:
             store.flush_after_backward()
     return hook
 
 
-def _grad_fns(outputs: Any):
-    """The grad_fn of every tensor in a nest of run outputs (tuples, lists, dicts and
-    whatever torch's pytree knows), skipping tensors without a graph."""
+def _graph_tensors(outputs: Any, seen: set):
+    """Every tensor that requires grad in a nest of run outputs: tuples, lists, dicts,
+    dataclasses and whatever torch's pytree knows (``seen``: containers already walked)."""
     if isinstance(outputs, torch.Tensor):
-        if outputs.grad_fn is not None:
-            yield outputs.grad_fn
-    elif isinstance(outputs, (list, tuple)):
-        for item in outputs:
-            yield from _grad_fns(item)
+        if outputs.requires_grad:
+            yield outputs
+        return
+    if outputs is None or isinstance(outputs, (int, float, complex, str, bytes, bool)):
+        return
+    if id(outputs) in seen:
+        return
+    seen.add(id(outputs))
+    if isinstance(outputs, (list, tuple)):
+        items: Any = outputs
     elif isinstance(outputs, dict):
-        for item in outputs.values():
-            yield from _grad_fns(item)
-    elif outputs is not None and not isinstance(outputs, (int, float, str, bool)):
+        items = outputs.values()
+    elif dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
+        items = [getattr(outputs, f.name, None) for f in dataclasses.fields(outputs)]
+    else:
         leaves = pytree.tree_leaves(outputs)
-        if leaves != [outputs]:
-            yield from _grad_fns(leaves)
+        if len(leaves) == 1 and leaves[0] is outputs:  # not a container pytree knows
+            return
+        items = leaves
+    for item in items:
+        yield from _graph_tensors(item, seen)
 
 
 def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:

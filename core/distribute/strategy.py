@@ -460,13 +460,13 @@ class ParameterServerStrategyExtended:
             if streams is not None:
                 self._join_streams(streams)
             self._store.finish_run(servings)
-            self._store.watch_outputs(outputs)
         except BaseException:
             self._store.discard_run(servings)
             raise
         finally:
             run.release()
         policy.after_run(snapshot, run.durations)
+        self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
         return regroup(outputs)
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:

@@ -2,8 +2,11 @@
 by the time it returns, as in a plain loop: gradient clipping, grad-norm logging and
 GradScaler.unscale_ read it before any optimizer.step() (issue 14)."""
 
+import collections
+import dataclasses
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,3 +208,48 @@ def test_a_kept_tensor_backpropagated_later_reaches_grad_by_the_optimizer_step()
     plain_opt.step()
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    note: str = "kept as one leaf by regroup"
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_dataclass_output_fills_grad_when_its_backward_returns(copy):
+    strategy = _strategy(2, copy)
+    with strategy.scope():
+        model = _model()
+    x, y = _batches(1)[0]
+    out = strategy.run(lambda a, b: _Out(_loss(model, a, b)),
+                       args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
+    sum(o.loss for o in strategy.experimental_local_results(out)).backward()
+    plain = _model()
+    _loss(plain, x, y).backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_returned_parameter_backpropagated_later_fills_grad(copy):
+    strategy = _strategy(2, copy)
+    with strategy.scope():
+        layer = torch.nn.Linear(3, 1, bias=False)
+    weights = strategy.run(lambda: layer.weight)  # each replica's served parameter
+    sum(w.sum() for w in strategy.experimental_local_results(weights)).backward()
+    assert layer.weight.grad.tolist() == [[2.0, 2.0, 2.0]]
+
+
+def test_outputs_of_any_type_leave_a_finished_run_alone():
+    strategy = _strategy(2, False)
+    with strategy.scope():
+        model = _model()
+    x, y = _batches(1)[0]
+    dist = strategy.experimental_distribute_dataset([(x, y)])
+    out = strategy.run(lambda a, b: collections.deque([np.arange(3), _loss(model, a, b)]),
+                       args=next(iter(dist)))
+    assert len(strategy.experimental_local_results(out)) == 2
+    # one numpy array in a container pytree knows: compared with ==, it raised
+    lone = strategy.run(lambda: collections.deque([np.arange(3)]))
+    assert len(strategy.experimental_local_results(lone)) == 2

@@ -91,12 +91,32 @@ def _reference_shuffle(stream, buffer, seed):
         window.pop()
 
 
+@pytest.mark.parametrize("chunk", [1, 256])
 @pytest.mark.parametrize("n", [0, 1, 9, 1000, 4097])
 @pytest.mark.parametrize("buffer", [1, 7, 256, 300, 5000])
-def test_shuffle_order_is_the_example_by_example_buffered_shuffle(n, buffer):
+def test_shuffle_order_is_the_example_by_example_buffered_shuffle(n, buffer, chunk):
     from csrun.core.data.pipeline import _shuffled
-    assert list(_shuffled(iter(range(n)), buffer, 3)) == \
+    assert list(_shuffled(iter(range(n)), buffer, 3, chunk)) == \
         list(_reference_shuffle(iter(range(n)), buffer, 3))
+
+
+def test_a_streamed_plan_hands_on_every_example_read_before_a_failing_one():
+    # chunk=1, as for streamed datasets: what was shuffled out before the failing read
+    # arrives, then the error (a chunk would have held it back)
+    from csrun.core.data.pipeline import _shuffled
+
+    def source():
+        yield from range(20)
+        raise OSError("bad record")
+    got = []
+    with pytest.raises(OSError):
+        for item in _shuffled(source(), 4, 0, 1):
+            got.append(item)
+    expected = []
+    with pytest.raises(OSError):
+        for item in _reference_shuffle(source(), 4, 0):
+            expected.append(item)
+    assert got == expected and len(got) == 16
 
 
 def test_shuffle_reads_an_endless_stream_only_a_window_ahead():

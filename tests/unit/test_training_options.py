@@ -248,3 +248,12 @@ def test_clearing_grads_skips_torchs_wrapper_but_keeps_an_optimizers_own_zero_gr
     own = _CountingSGD(layer.parameters(), lr=0.1)
     session_module.clear_grads(own)
     assert _CountingSGD.calls == 1 and all(p.grad is None for p in layer.parameters())
+
+
+def test_clearing_grads_keeps_a_zero_grad_patched_onto_the_optimizer():
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    calls = []
+    opt.zero_grad = lambda set_to_none=True: calls.append(set_to_none)  # as Apex does
+    session_module.clear_grads(opt)
+    assert calls == [True]
