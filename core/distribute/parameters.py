@@ -22,9 +22,10 @@ collected when that backward ends (a pre-hook on each output's ``grad_fn`` queue
 callback per backward with the autograd engine, as DDP does), so ``clip_grad_norm_`` and
 ``GradScaler.unscale_`` see them; before ``optimizer.step()`` and each ``run`` as well.
 The leaves themselves carry no hook: a Python hook in every replica's backward takes the
-GIL once per parameter, and two replicas contending for it ran 15-20% slower. Alias leaves hold the central
-tensors weakly: a model deleted by the user is freed, not kept by its replicas (device
-mirrors, for copies, still keep theirs: see :meth:`ParameterStore.forget`).
+GIL once per parameter, and two replicas contending for it ran 15-20% slower. Alias
+leaves hold the central tensors weakly: a model deleted by the user is freed, not kept by
+its replicas (device mirrors, for copies, still keep theirs: see
+:meth:`ParameterStore.forget`).
 
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
@@ -45,6 +46,7 @@ from torch.optim import optimizer as optim_module
 
 from . import context, sync_batch_norm
 from .broadcast import DeviceMirror, finish_grads
+from .values import flatten
 from .variables import VariableAggregation
 
 __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
@@ -594,30 +596,27 @@ def _late_backward_hook(store_ref: "weakref.ref[ParameterStore]"):
 
 
 def _graph_tensors(outputs: Any, seen: set):
-    """Every tensor that requires grad in a nest of run outputs: tuples, lists, dicts,
-    dataclasses and whatever torch's pytree knows (``seen``: containers already walked)."""
-    if isinstance(outputs, torch.Tensor):
-        if outputs.requires_grad:
-            yield outputs
-        return
-    if outputs is None or isinstance(outputs, (int, float, complex, str, bytes, bool)):
-        return
-    if id(outputs) in seen:
-        return
-    seen.add(id(outputs))
-    if isinstance(outputs, (list, tuple)):
-        items: Any = outputs
-    elif isinstance(outputs, dict):
-        items = outputs.values()
-    elif dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
-        items = [getattr(outputs, f.name, None) for f in dataclasses.fields(outputs)]
-    else:
-        leaves = pytree.tree_leaves(outputs)
-        if len(leaves) == 1 and leaves[0] is outputs:  # not a container pytree knows
-            return
-        items = leaves
-    for item in items:
-        yield from _graph_tensors(item, seen)
+    """Every tensor that requires grad in a nest of run outputs: the tuples, lists and
+    dicts :func:`flatten` walks, and inside its leaves, dataclasses and whatever torch's
+    pytree knows (``seen``: such containers already walked)."""
+    for leaf in flatten(outputs):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                yield leaf
+        elif leaf is not None and not isinstance(leaf, _SCALARS) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            yield from _graph_tensors(_contents(leaf), seen)
+
+
+_SCALARS = (int, float, complex, str, bytes, bool)
+
+
+def _contents(value: Any) -> list:
+    """A dataclass's fields or a pytree container's leaves; [] for anything else."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    leaves = pytree.tree_leaves(value)
+    return [] if len(leaves) == 1 and leaves[0] is value else leaves
 
 
 def _forget(store_ref: "weakref.ref[ParameterStore]", key: int) -> None:

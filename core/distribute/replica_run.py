@@ -276,8 +276,8 @@ class ReplicaRun:
         rendezvous and is raised once all have stopped.
 
         The wait is one lock the last of the others releases (a Condition's wait and
-        notify took ~0.3 ms of GIL hand-offs at the end of every step: 4% of the MLP's);
-        its timeout only bounds how late a release missed between checks is seen."""
+        notify took ~0.3 ms of GIL hand-offs at the end of every step in timelines of the
+        MLP); its timeout only bounds how late a release missed between checks is seen."""
         self._run_replica(0, caller_threads, False)
         while True:
             try:

@@ -578,7 +578,7 @@ class Session:
         grad_norm = self._update()
         t2 = time.perf_counter()
         loss = sum(float(strategy.reduce("SUM", o["loss"], axis=None)) for o in outs) / \
-            max(sum(s["examples"] for s in per_replica), 1)
+            sum(s["examples"] for s in per_replica)
         t3 = time.perf_counter()
         self._record(per_replica, loss, {"distribute": distribute_s, "run": t1 - t0,
                                          "update": t2 - t1, "reduce": t3 - t2},
@@ -885,13 +885,14 @@ def _replica_numbers(runs: list[Sequence[dict]]) -> list[dict[str, Any]]:
     step: converted once here, then read by the checks, tallies and the step record."""
     numbers = []
     for replica in zip(*runs):
-        total: dict[str, Any] = {"loss": 0.0, "examples": 0, "correct": 0, "seconds": 0.0}
+        total: dict[str, Any] = {"loss": 0.0, "examples": 0, "correct": 0.0, "seconds": 0.0}
         for stats in replica:
             total["loss"] += float(stats["loss"])
             total["examples"] += int(stats["examples"])
-            total["correct"] += int(stats["correct"])
+            total["correct"] += float(stats["correct"])  # a user metric may be fractional
             total["seconds"] += float(stats["seconds"])
             _add_metrics(total, stats)
+        total["correct"] = int(total["correct"])  # counted whole once summed, as before
         numbers.append(total)
     return numbers
 
