@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -34,6 +35,23 @@ __all__ = ["OpenMPTeam", "find_team"]
 _MEMBER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _UNSET = object()
 _found: object = _UNSET
+_kept = threading.local()  # set on a team thread whose Python thread state is kept
+
+
+def _keep_thread_state() -> None:
+    """Keep the Python thread state of the OpenMP thread running this member.
+
+    A ctypes callback on a thread Python did not start creates a thread state on entry
+    and deletes it on exit: every region paid for both on its other members (~20-30 µs
+    each end on a bare member, more once the replica's thread-locals filled it) and
+    the thread's ``threading.local`` values were lost between runs. One extra
+    ``PyGILState_Ensure`` that is never released keeps the state for the thread's
+    life (OpenMP's threads live as long as the process); the callback's own release
+    then only drops the GIL. The flag is a thread-local itself, so it lives exactly as
+    long as the state it marks."""
+    if not getattr(_kept, "done", False):
+        ctypes.pythonapi.PyGILState_Ensure()
+        _kept.done = True
 
 
 class OpenMPTeam:
@@ -76,6 +94,8 @@ class OpenMPTeam:
                         for missing in range(lib.omp_get_num_threads(), count):
                             started[missing] = True
                             spare(missing, members[missing])
+                    elif index < count:
+                        _keep_thread_state()
                     if index < count:
                         started[index] = True
                         members[index]()

@@ -72,12 +72,19 @@ class ServedDict(dict):
         return self._module()
 
     def __getitem__(self, name: str):
+        # Every parameter read of every replica's forward passes here, on threads that
+        # contend for the GIL: the common case (a leaf served earlier in this run) is
+        # answered inline.
         value = dict.__getitem__(self, name)
         serving = context.current_serving()
         if serving is None or value is None or serving.store is not self.store:
             return value
         if torch.compiler.is_compiling():
             return _compiled_read(serving, self, name, value)
+        if self.kind == "parameter" and not serving._stale:
+            served = serving.params.get(id(value))
+            if served is not None:
+                return served[1]
         return serving.serve(self, name, value)
 
     def get(self, name, default=None):

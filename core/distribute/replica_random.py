@@ -62,11 +62,13 @@ class RunSeed:
                     self.seed = seed
         return self.seed
 
-    def moved(self, snapshot: bytes) -> bool:
-        """Whether anything but this draw moved the global generator since ``snapshot``."""
+    def moved(self, snapshot: bytes, now: bytes | None = None) -> bool:
+        """Whether anything but this draw moved the global generator since ``snapshot``
+        (``now``: the global state, if the caller has just read it)."""
+        now = global_state() if now is None else now
         if self.around is None:
-            return global_state() != snapshot
-        return self.around[0] != snapshot or global_state() != self.around[1]
+            return now != snapshot
+        return self.around[0] != snapshot or now != self.around[1]
 
 
 def replica_seed(seed: int, replica_id: int) -> int:

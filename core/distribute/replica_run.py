@@ -74,12 +74,14 @@ class _ThreadState:
         return _ThreadState(grad, inference, tuple(autocast))
 
     def apply(self, fn: Callable[[], Any]) -> Any:
-        # Always entered, even when the worker's modes already match (~14 µs): leaving
-        # inference_mode restores the thread's whole dispatch state, so autocast or
-        # forward-mode AD that a replica function switched on and never off does not
-        # reach the next run (tested).
+        # Always entered, even when the worker's modes already match: leaving
+        # inference_mode restores the thread's whole autograd and dispatch state (grad
+        # mode included), so autocast or forward-mode AD that a replica function
+        # switched on and never off does not reach the next run (tested). torch's own
+        # guard, not its Python wrappers: ~1 µs, not ~4, on every replica's thread.
         try:
-            with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad_enabled):
+            with torch._C._InferenceMode(self.inference):
+                torch._C._set_grad_enabled(self.grad_enabled)
                 if not self.autocast:
                     return fn()
                 return self._with_autocast(list(self.autocast), fn)
@@ -156,7 +158,6 @@ class ReplicaRun:
     sync_results: dict[int, Any] | None = None
     merging: int | None = None  # the thread running a merge, if any
     _cond: threading.Condition | None = None
-    _others_done = None  # team runs: a lock released once replicas 1.. are all final
     _collectives = None
 
     def __init__(self, num_replicas: int, concurrent: bool,
@@ -253,14 +254,24 @@ class ReplicaRun:
             self.executor.submit(replica_id, lambda r=replica_id: self._run_replica(r))
 
     def _run_as_team(self, caller_threads: int | None) -> None:
+        """Replica *i* as member *i* of one parallel region; returns once the region has.
+
+        Replica 0 waits for the others in the region's own end, a wait in C, where a
+        Ctrl-C is not heard until the others are done: in timelines of the MLP, waiting
+        in Python instead (a lock the last replica released) cost ~0.15 ms of every step
+        to wake the caller's thread and hand it the GIL. Nothing is lost by waiting in C:
+        once replica 0 has returned, a replica still running cannot meet it at a
+        rendezvous (that fails as stranded), so only its own code is waited for, as a
+        Ctrl-C in Python would also have to (the signal is raised after the region)."""
         self._start_workers(())
-        self._others_done = threading.Lock()
-        self._others_done.acquire()
-        members = [lambda: self._lead_team(caller_threads)]
+        members = [lambda: self._run_replica(0, caller_threads, False)]
         members += [lambda r=r: self._run_replica(r) for r in range(1, self.num_replicas)]
-        # a member per intra-op thread; replicas beyond them get threads of their own
-        missed, error = self.team.run(members, spare=self.executor.submit,
-                                      size=torch.get_num_threads())
+        try:
+            # a member per intra-op thread; replicas beyond them get threads of their own
+            missed, error = self.team.run(members, spare=self.executor.submit,
+                                          size=torch.get_num_threads())
+        except BaseException as exc:  # noqa: BLE001 - a signal heard as the region ended
+            missed, error = [], exc
         if error is None:
             return
         # A signal landed outside replica 0's own guard: nothing runs replica 0 (nor
@@ -269,32 +280,6 @@ class ReplicaRun:
         for replica_id in {0, *missed}:
             if self.status[replica_id] not in _FINAL:
                 self._set_final(replica_id, "aborted")
-
-    def _lead_team(self, caller_threads: int | None) -> None:
-        """Replica 0, then wait for the others in Python, where signals are heard (the
-        region's own end is a wait in C): a Ctrl-C aborts the others at their next
-        rendezvous and is raised once all have stopped.
-
-        The wait is one lock the last of the others releases (a Condition's wait and
-        notify took ~0.3 ms of GIL hand-offs at the end of every step in timelines of the
-        MLP); its timeout only bounds how late a release missed between checks is seen."""
-        self._run_replica(0, caller_threads, False)
-        while True:
-            try:
-                if self._others_final():
-                    return
-                self._others_done.acquire(timeout=0.05)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by execute
-                self._fail(None, exc)
-
-    def _others_final(self) -> bool:
-        return all(s in _FINAL for s in self.status[1:])
-
-    def _tell_leader(self) -> None:
-        """Release the team's leader once replicas 1.. are all final (lock held)."""
-        done = self._others_done
-        if done is not None and done.locked() and self._others_final():
-            done.release()
 
     def _run_replica(self, replica_id: int, caller_threads: int | None = None,
                      on_worker: bool = True) -> None:
@@ -345,7 +330,6 @@ class ReplicaRun:
                 elif status == "done" and self.turn == replica_id:
                     self._advance(replica_id)
             self.cond.notify_all()
-            self._tell_leader()
 
     def _fail(self, replica_id: int | None, exc: BaseException) -> None:
         with self.cond:
@@ -354,7 +338,6 @@ class ReplicaRun:
             if replica_id is not None:
                 self.status[replica_id] = "failed"
             self.cond.notify_all()
-            self._tell_leader()
 
     # -- ordered mode --------------------------------------------------------------------
     def _advance(self, replica_id: int) -> None:
@@ -586,11 +569,13 @@ class ExecutionPolicy:
         return global_state()
 
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
-        if self._random is not None and self._settle_streams(snapshot):
+        # one read of the global state serves both checks (~5 µs each on an empty run)
+        now = global_state() if snapshot is not None else None
+        if self._random is not None and self._settle_streams(snapshot, now):
             return
         if not self._shared_cpu:
             return
-        if snapshot is not None and self._seed.moved(snapshot):
+        if snapshot is not None and self._seed.moved(snapshot, now):
             self._drew(self.state == "concurrent")
             return
         if self._draws or not durations:
@@ -606,14 +591,14 @@ class ExecutionPolicy:
         elif self._work < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"
 
-    def _settle_streams(self, snapshot: bytes | None) -> bool:
+    def _settle_streams(self, snapshot: bytes | None, now: bytes | None) -> bool:
         """Streams off after a first run whose replicas drew nothing; back on when a
         disarmed run moved the global generator (True: this run is dealt with)."""
         if self._trial:
             self._trial = False
             self._armed = any(s.seeded for s in self._random if s is not None)
             return False
-        if self._armed or snapshot is None or global_state() == snapshot:
+        if self._armed or snapshot is None or now == snapshot:
             return False
         self._rearm(self.state == "concurrent")
         return True

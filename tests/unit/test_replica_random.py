@@ -171,3 +171,23 @@ def test_a_model_that_starts_drawing_later_gets_its_streams_back(execution):
         assert all(torch.equal(u, v) for u, v in zip(a.values, b.values))
     calls = _mode_calls(_strategy(2, execution=execution), steps)
     assert calls[1] == 0 and calls[2] == 0 and all(c > 0 for c in calls[3:])
+
+
+def test_a_watched_run_reads_the_global_state_twice(monkeypatch):
+    """Once before and once after: the after-run checks share one read (each is ~5 µs,
+    a tenth of an empty run's cost; three were made before)."""
+    from csrun.core.distribute import replica_random, replica_run
+    strategy = _strategy(2)
+    x = torch.ones(4, 8)
+    for _ in range(2):  # past the first run, whose streams decide whether they stay
+        strategy.run(lambda x: x.sum(), args=(x,))
+    reads = []
+    real = replica_random.global_state
+
+    def counted():
+        reads.append(1)
+        return real()
+    monkeypatch.setattr(replica_random, "global_state", counted)
+    monkeypatch.setattr(replica_run, "global_state", counted)
+    strategy.run(lambda x: x.sum(), args=(x,))
+    assert len(reads) == 2
