@@ -557,10 +557,11 @@ class Session:
                 stats = self.objective.stats(self.forward_model, batch)
         # divided by all the step's examples (every replica, every accumulated batch):
         # the summed gradients are those of the step's mean
-        loss = stats["loss"].float() / step_examples
+        loss = stats["loss"]
+        loss = (loss if loss.dtype == torch.float32 else loss.float()) / step_examples
         (loss * scale if scale != 1.0 else loss).backward()
         stats["loss"] = stats["loss"].detach()
-        stats["seconds"] = torch.tensor(time.perf_counter() - begin, dtype=torch.float64)
+        stats["seconds"] = time.perf_counter() - begin  # a number: no op for a replica
         return stats
 
     def _train_step(self, batches: list, distribute_s: float) -> None:
@@ -698,7 +699,7 @@ class Session:
         try:
             for stats in batches:
                 for key in ("loss", "examples", "correct"):
-                    totals[key] += stats[key].item()
+                    totals[key] += float(stats[key])  # a tensor, or the count's int
                 _add_metrics(totals, stats)
         finally:
             self.model.train()
@@ -713,7 +714,9 @@ class Session:
         def eval_step(batch):
             # grad mode and autocast are per thread: set them in the replica
             with torch.no_grad(), self.precision.autocast(_device_type(batch)):
-                return self.objective.stats(self.forward_model, batch)
+                stats = self.objective.stats(self.forward_model, batch)
+            stats["examples"] = torch.tensor(stats["examples"])  # reduced with the rest
+            return stats
 
         with self.strategy.scope():
             for batch in self.strategy.experimental_distribute_dataset(loader):

@@ -257,3 +257,29 @@ def test_clearing_grads_keeps_a_zero_grad_patched_onto_the_optimizer():
     opt.zero_grad = lambda set_to_none=True: calls.append(set_to_none)  # as Apex does
     session_module.clear_grads(opt)
     assert calls == [True]
+
+
+# -- per-step cost ----------------------------------------------------------------------
+def test_a_replica_step_calls_torch_for_the_model_loss_and_accuracy_only(monkeypatch):
+    # Each small op in a replica waits for the GIL the other replicas hold (~30 µs each
+    # with 2 replicas in runner_overhead.py's timelines): the example count and the
+    # step's seconds are Python numbers, and a float32 loss is not cast again.
+    from collections import Counter
+
+    from torch.overrides import TorchFunctionMode
+    calls: Counter = Counter()
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls[getattr(func, "__name__", str(func))] += 1
+            return func(*args, **(kwargs or {}))
+    real = Session._replica_step
+
+    def counted(self, *args):
+        with Count():
+            return real(self, *args)
+    monkeypatch.setattr(Session, "_replica_step", counted)
+    session = fitted("train.steps=1", "train.log_every=1")
+    assert calls["tensor"] == calls["float"] == calls["to"] == 0, calls
+    assert calls["argmax"] == calls["cross_entropy"] == calls["div"] == 2  # per replica
+    assert session.last_log.replicas[0].examples == 8  # counted all the same
