@@ -14,6 +14,10 @@ that replica's *leaf* for the central parameter:
   into a flat buffer on the replica's device, refreshed with one coalesced copy per dtype
   per step when the parameters changed.
 
+An alias replica is served the parameters it read in the previous run before it starts
+(:meth:`ParameterStore._serve_again`): a first read inside a concurrent replica costs
+several times more than here, the replicas contending for the GIL.
+
 **Gradients.** When the replicas have finished, each replica's leaf gradients are moved to
 the parameter device (one coalesced copy per replica device) and added to the central
 ``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
