@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import threading
 from typing import Callable, Sequence
 
 import torch
@@ -35,23 +34,6 @@ __all__ = ["OpenMPTeam", "find_team"]
 _MEMBER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _UNSET = object()
 _found: object = _UNSET
-_kept = threading.local()  # set on a team thread whose Python thread state is kept
-
-
-def _keep_thread_state() -> None:
-    """Keep the Python thread state of the OpenMP thread running this member.
-
-    A ctypes callback on a thread Python did not start creates a thread state on entry
-    and deletes it on exit: every region paid for both on its other members (~20-30 µs
-    each end on a bare member, more once the replica's thread-locals filled it) and
-    the thread's ``threading.local`` values were lost between runs. One extra
-    ``PyGILState_Ensure`` that is never released keeps the state for the thread's
-    life (OpenMP's threads live as long as the process); the callback's own release
-    then only drops the GIL. The flag is a thread-local itself, so it lives exactly as
-    long as the state it marks."""
-    if not getattr(_kept, "done", False):
-        ctypes.pythonapi.PyGILState_Ensure()
-        _kept.done = True
 
 
 class OpenMPTeam:
@@ -94,8 +76,6 @@ class OpenMPTeam:
                         for missing in range(lib.omp_get_num_threads(), count):
                             started[missing] = True
                             spare(missing, members[missing])
-                    elif index < count:
-                        _keep_thread_state()
                     if index < count:
                         started[index] = True
                         members[index]()
@@ -113,12 +93,15 @@ class OpenMPTeam:
                 errors.append(unraisable.exc_value)
             else:
                 previous(unraisable)
-        callback = _MEMBER(member)  # kept alive until the region has ended
-        sys.unraisablehook = escaped
-        try:
-            lib.GOMP_parallel(callback, None, size, 0)
-        finally:
-            sys.unraisablehook = previous
+        try:  # a signal can also land here, as the region begins or after it ended
+            callback = _MEMBER(member)  # kept alive until the region has ended
+            try:
+                sys.unraisablehook = escaped
+                lib.GOMP_parallel(callback, None, size, 0)
+            finally:
+                sys.unraisablehook = previous
+        except BaseException as exc:  # noqa: BLE001 - reported with the members it missed
+            errors.append(exc)
         return [i for i, began in enumerate(started) if not began], \
             (errors[0] if errors else None)
 

@@ -86,7 +86,7 @@ class ServedDict(dict):
         if torch.compiler.is_compiling():
             return _compiled_read(serving, self, name, value)
         if self.kind == "parameter" and not serving._stale:
-            served = serving.params.get(id(value))
+            served = serving.served(id(value))
             if served is not None:
                 return served[1]
         return serving.serve(self, name, value)
@@ -315,13 +315,15 @@ class ParameterStore:
         :meth:`ReplicaServing.serve` while the other replicas want the GIL too: in
         timelines of the MLP each took ~13 µs there (75 µs of each replica's forward)
         against ~2 µs here. The leaves are the ones a read would give (the alias cache
-        checks each against its central tensor); a parameter read for the first time,
-        or one that moved device (an error the read reports), is still served on read."""
+        checks each against its central tensor); they count as read, and are recorded
+        for the next run, only once read (:meth:`ReplicaServing.served`), and a merge
+        drops the unread ones. A parameter read for the first time, or one that moved
+        device (an error the read reports), is still served on read."""
         place = self._torch_param
         for serving in servings:
             if serving.copies or serving.direct:
                 continue
-            replica_id, params = serving.replica_id, serving.params
+            replica_id, ready = serving.replica_id, serving.ready
             aliases = self._aliases[replica_id]
             for key in self._last_read[replica_id]:
                 entry = aliases.get(key)
@@ -329,7 +331,7 @@ class ParameterStore:
                 if central is not None and central.device == place:
                     leaf = self.alias(replica_id, central)
                     leaf.grad = None
-                    params[key] = (central, leaf)
+                    ready[key] = (central, leaf)
 
     def _serve_compiled(self, servings: list["ReplicaServing"]) -> None:
         """Serve every tracked tensor now, as a read would (mirrors refreshed, leaves
@@ -512,8 +514,8 @@ class ParameterStore:
 class ReplicaServing:
     """What one replica of one run has been served, and what it wrote."""
 
-    __slots__ = ("store", "replica_id", "device", "copies", "direct", "params", "buffers",
-                 "_mirror", "_stale")
+    __slots__ = ("store", "replica_id", "device", "copies", "direct", "params", "ready",
+                 "buffers", "_mirror", "_stale")
 
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
@@ -521,8 +523,11 @@ class ReplicaServing:
         self.device = store.torch_devices[replica_id]
         self.copies = store.copies[replica_id]
         self.direct = store.direct
-        # id(central) -> (central, leaf) served this run (ids: a tensor's hash is Python)
+        # id(central) -> (central, leaf) read this run (ids: a tensor's hash is Python)
         self.params: dict = {}
+        # the same, served before the run began and not read yet (ParameterStore.
+        # _serve_again): moved to params by the first read, dropped by a merge
+        self.ready: dict = {}
         # (id of owner dict, name) -> [copy, version at serve, assigned, owner dict]
         self.buffers: dict = {}
         self._mirror = None
@@ -534,7 +539,7 @@ class ReplicaServing:
                 if value.device != self.device:
                     self.store.check_device(value, owner, name)
                 return value
-            served = self.params.get(id(value))
+            served = self.served(id(value))
             if served is None:
                 self.store.check_device(value, owner, name)
                 return self._leaf(value)
@@ -543,9 +548,19 @@ class ReplicaServing:
             return served[1]
         return self._buffer(owner, name, value)
 
+    def served(self, key: int) -> tuple | None:
+        """``(central, leaf)`` for the tracked tensor ``id`` ``key`` if this run has
+        served it (a leaf served before the run counts as read from now on)."""
+        served = self.params.get(key)
+        if served is None and self.ready:
+            served = self.ready.pop(key, None)
+            if served is not None:
+                self.params[key] = served
+        return served
+
     def serve_tensor(self, central: torch.Tensor) -> torch.Tensor:
         """The replica's leaf for a tracked tensor that is not in a module (a Variable)."""
-        served = self.params.get(id(central))
+        served = self.served(id(central))
         if served is None:
             return self._leaf(central)
         if self._stale:
@@ -553,7 +568,10 @@ class ReplicaServing:
         return served[1]
 
     def invalidate(self) -> None:
-        """Central values may have changed in cross-replica context (a merge_call)."""
+        """Central values may have changed in cross-replica context (a merge_call):
+        parameters not read yet are served on read again, checked against their central
+        tensors as they are now (new data, frozen), as a run's first read is."""
+        self.ready.clear()
         if self.copies and self._mirror is not None:
             self._stale = True
 

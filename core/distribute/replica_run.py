@@ -238,11 +238,23 @@ class ReplicaRun:
                                                or torch.get_num_threads() != caller_threads):
                 torch.set_num_threads(caller_threads)
         if self.threaded:
-            with self.cond:
-                self.cond.wait_for(lambda: all(s in _FINAL for s in self.status))
+            self._wait_until_final()
         if self.error is not None:
             raise self.error[1]
         return self.results
+
+    def _wait_until_final(self) -> None:
+        """Wait for every replica to stop. A Ctrl-C here aborts the others at their next
+        rendezvous and is raised (by :meth:`execute`) once all have stopped, never while
+        one still runs user code (found in review: with 4 replicas on 2 threads it
+        escaped while the 2 beside the team still ran)."""
+        while True:
+            try:
+                with self.cond:
+                    self.cond.wait_for(lambda: all(s in _FINAL for s in self.status))
+                return
+            except BaseException as exc:  # noqa: BLE001 - re-raised by execute
+                self._fail(None, exc)
 
     def _start_workers(self, replica_ids: Sequence[int]) -> None:
         # made here, on one thread, before any other thread can reach them
@@ -256,22 +268,20 @@ class ReplicaRun:
     def _run_as_team(self, caller_threads: int | None) -> None:
         """Replica *i* as member *i* of one parallel region; returns once the region has.
 
-        Replica 0 waits for the others in the region's own end, a wait in C, where a
-        Ctrl-C is not heard until the others are done: in timelines of the MLP, waiting
-        in Python instead (a lock the last replica released) cost ~0.15 ms of every step
-        to wake the caller's thread and hand it the GIL. Nothing is lost by waiting in C:
-        once replica 0 has returned, a replica still running cannot meet it at a
-        rendezvous (that fails as stranded), so only its own code is waited for, as a
-        Ctrl-C in Python would also have to (the signal is raised after the region)."""
+        Replica 0 waits for the region's other members in the region's own end, a wait in
+        C, where a Ctrl-C is not heard until they are done: in timelines of the MLP,
+        waiting in Python instead (a lock the last replica released) cost ~0.15 ms of
+        every step to wake the caller's thread and hand it the GIL. Nothing is lost by
+        waiting in C: once replica 0 has returned, a replica still running cannot meet it
+        at a rendezvous (that fails as stranded), so only its own code is waited for, as
+        a Ctrl-C in Python would also have to. Replicas beyond the region (on threads of
+        their own) are waited for in Python, by :meth:`_wait_until_final`."""
         self._start_workers(())
         members = [lambda: self._run_replica(0, caller_threads, False)]
         members += [lambda r=r: self._run_replica(r) for r in range(1, self.num_replicas)]
-        try:
-            # a member per intra-op thread; replicas beyond them get threads of their own
-            missed, error = self.team.run(members, spare=self.executor.submit,
-                                          size=torch.get_num_threads())
-        except BaseException as exc:  # noqa: BLE001 - a signal heard as the region ended
-            missed, error = [], exc
+        # a member per intra-op thread; replicas beyond them get threads of their own
+        missed, error = self.team.run(members, spare=self.executor.submit,
+                                      size=torch.get_num_threads())
         if error is None:
             return
         # A signal landed outside replica 0's own guard: nothing runs replica 0 (nor

@@ -460,6 +460,37 @@ def test_parameters_read_last_run_are_served_before_the_replicas_start(monkeypat
     assert [o.tolist() for o in out] == [[[3.0, 3.0]]] * 2
 
 
+def test_parameters_served_up_front_follow_a_merge_and_only_last_runs_reads():
+    # Found in review: a parameter first read after a merge_call got the leaf served
+    # before the run (old data, still requiring grad after a freeze), and parameters
+    # served up front but never read were served again in every later run.
+    strategy = _strategy(2)
+    with strategy.scope():
+        a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    x = torch.ones(1, 2)
+    strategy.run(lambda: a(x).sum().backward())
+    strategy.run(lambda: b(x).sum().backward())
+    strategy.run(lambda: None)
+    assert [len(ids) for ids in strategy.extended.store._last_read] == [0, 0]
+    strategy.run(lambda: b(x).sum().backward())  # b's parameters served up front next
+
+    def freeze_then_read():
+        cs.get_replica_context().merge_call(lambda s: b.weight.requires_grad_(False))
+        b(x).sum().backward()
+    b.weight.grad = b.bias.grad = None
+    strategy.run(freeze_then_read)
+    assert b.weight.grad is None and b.bias.grad.tolist() == [2.0]
+    b.weight.requires_grad_(True)
+    strategy.run(lambda: b(x).sum().backward())
+
+    def replace_then_read():
+        cs.get_replica_context().merge_call(
+            lambda s: setattr(b.weight, "data", torch.full((1, 2), 5.0)))
+        return b.weight.detach().clone()
+    out = strategy.experimental_local_results(strategy.run(replace_then_read))
+    assert [o.tolist() for o in out] == [[[5.0, 5.0]]] * 2
+
+
 def test_optimizer_step_inside_a_replica_is_refused_with_advice():
     strategy = _strategy(2)
     with strategy.scope():

@@ -51,22 +51,6 @@ def test_replicas_run_as_the_team_and_add_no_thread(two_threads):
 
 
 @needs_team
-def test_team_threads_keep_their_python_thread_state_between_regions(two_threads):
-    # A ctypes callback on a thread Python did not start made and deleted a thread
-    # state around every region (~20-30 µs at each end of every step), and the
-    # member's thread-locals were lost between runs.
-    local = threading.local()
-    seen = []
-
-    def member():
-        seen.append(getattr(local, "runs", 0))
-        local.runs = getattr(local, "runs", 0) + 1
-    for _ in range(3):
-        assert team.run([lambda: None, member], spare=None, size=2) == ([], None)
-    assert seen == [0, 1, 2]
-
-
-@needs_team
 def test_more_intra_op_threads_than_replicas_keep_worker_threads():
     before = torch.get_num_threads()
     torch.set_num_threads(4)  # a share of 2 each: replicas need teams of their own
@@ -154,6 +138,46 @@ def test_ctrl_c_while_the_team_runs_is_raised_after_it(two_threads):
         with pytest.raises(KeyboardInterrupt):
             strategy.run(slow)
         assert finished == [1]  # raised once replica 1 had stopped, not while it ran
+    again = strategy.run(lambda: torch.tensor(cs.get_replica_context().replica_id_in_sync_group))
+    assert [int(v) for v in strategy.experimental_local_results(again)] == [0, 1]
+
+
+@needs_team
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_replicas_beside_the_team_run_is_raised_after_them(two_threads):
+    # 4 replicas on 2 threads: 0 and 1 are the region, 2 and 3 run on threads beside
+    # it and are waited for in Python after the region ended. A Ctrl-C there escaped
+    # while replica 3 still ran user code (found in review).
+    strategy = _strategy(4)
+    for _ in range(3):
+        finished = []
+
+        def slow(finished=finished):
+            if cs.get_replica_context().replica_id_in_sync_group == 3:
+                time.sleep(0.1)  # the region has ended: the caller waits in Python
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+                finished.append(1)
+        with pytest.raises(KeyboardInterrupt):
+            strategy.run(slow)
+        assert finished == [1]
+
+
+@needs_team
+@pytest.mark.timeout(60)
+def test_ctrl_c_before_the_region_starts_stops_the_run(two_threads, monkeypatch):
+    # A signal landing in the team's own code before any member started: nothing runs,
+    # so nothing may be waited for (the run then hung until a second Ctrl-C).
+    from csrun.core.distribute import openmp_team
+    strategy = _strategy()
+    strategy.run(lambda: None)
+
+    def interrupted(_member):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(openmp_team, "_MEMBER", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(lambda: time.sleep(0.01))
+    monkeypatch.undo()
     again = strategy.run(lambda: torch.tensor(cs.get_replica_context().replica_id_in_sync_group))
     assert [int(v) for v in strategy.experimental_local_results(again)] == [0, 1]
 

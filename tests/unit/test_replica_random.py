@@ -191,3 +191,12 @@ def test_a_watched_run_reads_the_global_state_twice(monkeypatch):
     monkeypatch.setattr(replica_run, "global_state", counted)
     strategy.run(lambda x: x.sum(), args=(x,))
     assert len(reads) == 2
+
+
+def test_global_state_is_the_generators_state_byte_for_byte():
+    from csrun.core.distribute.replica_random import global_state
+    before = global_state()
+    assert before == torch.default_generator.get_state().numpy().tobytes()
+    torch.rand(3)
+    assert global_state() != before
+    assert global_state() == torch.default_generator.get_state().numpy().tobytes()
