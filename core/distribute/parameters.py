@@ -323,15 +323,12 @@ class ParameterStore:
         for serving in servings:
             if serving.copies or serving.direct:
                 continue
-            replica_id, ready = serving.replica_id, serving.ready
-            aliases = self._aliases[replica_id]
-            for key in self._last_read[replica_id]:
+            ready, aliases = serving.ready, self._aliases[serving.replica_id]
+            for key in self._last_read[serving.replica_id]:
                 entry = aliases.get(key)
                 central = entry[0]() if entry is not None else None
                 if central is not None and central.device == place:
-                    leaf = self.alias(replica_id, central)
-                    leaf.grad = None
-                    ready[key] = (central, leaf)
+                    ready[key] = (central, serving.alias_leaf(central))
 
     def _serve_compiled(self, servings: list["ReplicaServing"]) -> None:
         """Serve every tracked tensor now, as a read would (mirrors refreshed, leaves
@@ -595,9 +592,15 @@ class ReplicaServing:
         elif self.direct:
             leaf = central
         else:
-            leaf = self.store.alias(self.replica_id, central)
-            leaf.grad = None
+            leaf = self.alias_leaf(central)
         self.params[id(central)] = (central, leaf)
+        return leaf
+
+    def alias_leaf(self, central: torch.Tensor) -> torch.Tensor:
+        """This replica's alias of ``central`` for a new run: no gradient yet (the last
+        run's was flushed into the central ``.grad``)."""
+        leaf = self.store.alias(self.replica_id, central)
+        leaf.grad = None
         return leaf
 
     def _buffer(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:

@@ -68,10 +68,9 @@ class RunSeed:
                     self.seed = seed
         return self.seed
 
-    def moved(self, snapshot: bytes, now: bytes | None = None) -> bool:
-        """Whether anything but this draw moved the global generator since ``snapshot``
-        (``now``: the global state, if the caller has just read it)."""
-        now = global_state() if now is None else now
+    def moved(self, snapshot: bytes, now: bytes) -> bool:
+        """Whether anything but this draw moved the global generator between
+        ``snapshot`` and ``now`` (the global state, as the caller has just read it)."""
         if self.around is None:
             return now != snapshot
         return self.around[0] != snapshot or now != self.around[1]
