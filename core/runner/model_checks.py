@@ -78,7 +78,7 @@ def _run(model: torch.nn.Module, objective, batch: Any, outputs: int | None) -> 
             raise ConfigError([Problem("model", f"the model outputs {shape} for a batch of "
                                        f"2; the data needs [2, {outputs}]", "set the model's"
                                        " output size to the classes (or targets)")])
-    objective.stats(model, batch)
+    objective.tally(objective.stats(model, batch))
 
 
 def _check_on_cpu(config, data, sample: Any, reason: str) -> list[Problem]:

@@ -10,10 +10,16 @@ user's ``model.loss: "package.module:function"``, called as ``fn(model, batch)``
 batch structure and returning per-example losses ``[B]``, optionally with
 ``{name: per-example metric [B]}``.
 
+Counting correct predictions and summing metrics is split off (:meth:`tally`): a training
+step tallies on the caller after the run, where its few small ops wait for no replica
+(in a replica, argmax, == and sum took ~0.15 ms of a 2-replica step); evaluation, which
+reduces the tallies over replicas, tallies inside the replica.
+
 Example::
 
     objective = make_objective(config.model, task="classification")
     stats = objective.stats(model, batch)       # {"loss": sum, "examples": B, ...}
+    stats = objective.tally(stats)              # {..., "correct": n, "metrics": {...}}
 """
 
 from __future__ import annotations
@@ -61,11 +67,19 @@ class NamedLoss:
         self.name, self.classify, self._fn = name, classify, LOSSES[name]
 
     def stats(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        """The summed loss, the examples and, to tally, the output against ``y``."""
         x, y = batch
         output = model(x)
-        correct = (output.argmax(1) == y).sum() if self.classify else \
-            torch.zeros((), dtype=torch.int64)
-        return {"loss": self._fn(output, y), "examples": int(x.shape[0]), "correct": correct}
+        stats = {"loss": self._fn(output, y), "examples": int(x.shape[0])}
+        if self.classify:
+            stats["predicted"] = (output, y)  # not detached: detach is one more op here
+        return stats
+
+    def tally(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """``stats`` with the correct predictions counted (0 for a regression loss)."""
+        output, y = stats.pop("predicted", (None, None))
+        stats["correct"] = 0 if output is None else (output.argmax(1) == y).sum()
+        return stats
 
 
 class LossFunction:
@@ -78,6 +92,7 @@ class LossFunction:
         self.classify = False  # until a call returns an accuracy metric
 
     def stats(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+        """The summed loss, the examples and, to tally, the per-example metrics."""
         examples = batch_examples(batch)
         try:
             result = self._fn(model, batch)
@@ -92,10 +107,14 @@ class LossFunction:
         for name, values in metrics.items():
             _check_per_example(self.name, f"metric {name!r}", values, examples)
         self.classify = self.classify or "accuracy" in metrics
-        correct = metrics["accuracy"].detach().sum() if "accuracy" in metrics else \
-            torch.zeros((), dtype=torch.int64)
-        return {"loss": losses.sum(), "examples": examples, "correct": correct,
-                "metrics": {str(k): v.detach().sum().double() for k, v in metrics.items()}}
+        return {"loss": losses.sum(), "examples": examples, "per_example": metrics}
+
+    def tally(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """``stats`` with the metrics summed; ``accuracy``'s sum is the correct count."""
+        metrics = stats.pop("per_example", {})
+        stats["metrics"] = {str(k): v.detach().sum().double() for k, v in metrics.items()}
+        stats["correct"] = stats["metrics"].get("accuracy", 0)
+        return stats
 
 
 def _check_per_example(target: str, what: str, value: Any, examples: int) -> None:

@@ -574,7 +574,8 @@ class Session:
         t0 = time.perf_counter()
         outs = [strategy.run(self._replica_step, args=(b, examples, scale)) for b in batches]
         t1 = time.perf_counter()
-        per_replica = _replica_numbers([strategy.experimental_local_results(o) for o in outs])
+        per_replica = _replica_numbers([strategy.experimental_local_results(o) for o in outs],
+                                       self.objective.tally)
         self._check_finite(per_replica)
         grad_norm = self._update()
         t2 = time.perf_counter()
@@ -714,8 +715,9 @@ class Session:
         def eval_step(batch):
             # grad mode and autocast are per thread: set them in the replica
             with torch.no_grad(), self.precision.autocast(_device_type(batch)):
-                stats = self.objective.stats(self.forward_model, batch)
-            stats["examples"] = torch.tensor(stats["examples"])  # reduced with the rest
+                stats = self.objective.tally(self.objective.stats(self.forward_model, batch))
+            for key in ("examples", "correct"):  # Python numbers: reduced with the rest
+                stats[key] = torch.as_tensor(stats[key])
             return stats
 
         with self.strategy.scope():
@@ -728,7 +730,8 @@ class Session:
         with torch.no_grad():
             for batch in loader:
                 with self.precision.autocast(_device_type(batch)):
-                    yield self.objective.stats(self.forward_model, batch)
+                    yield self.objective.tally(self.objective.stats(self.forward_model,
+                                                                    batch))
 
     def _evaluate_during(self) -> None:
         """``train.eval_every``: evaluate, report (event, ``--metrics`` line, result), and
@@ -883,13 +886,15 @@ def _device_type(batch: Any) -> str:
     return leaf.device.type if isinstance(leaf, torch.Tensor) else "cpu"
 
 
-def _replica_numbers(runs: list[Sequence[dict]]) -> list[dict[str, Any]]:
-    """Each replica's stats as Python numbers, summed over the runs of an accumulated
-    step: converted once here, then read by the checks, tallies and the step record."""
+def _replica_numbers(runs: list[Sequence[dict]], tally: Callable[[dict], dict]
+                     ) -> list[dict[str, Any]]:
+    """Each replica's stats, tallied here after the run (``objective.tally``), as Python
+    numbers summed over the runs of an accumulated step: converted once here, then read
+    by the checks, tallies and the step record."""
     numbers = []
     for replica in zip(*runs):
         total: dict[str, Any] = {"loss": 0.0, "examples": 0, "correct": 0.0, "seconds": 0.0}
-        for stats in replica:
+        for stats in map(tally, replica):
             total["loss"] += float(stats["loss"])
             total["examples"] += int(stats["examples"])
             total["correct"] += float(stats["correct"])  # a user metric may be fractional

@@ -281,5 +281,20 @@ def test_a_replica_step_calls_torch_for_the_model_loss_and_accuracy_only(monkeyp
     monkeypatch.setattr(Session, "_replica_step", counted)
     session = fitted("train.steps=1", "train.log_every=1")
     assert calls["tensor"] == calls["float"] == calls["to"] == 0, calls
-    assert calls["argmax"] == calls["cross_entropy"] == calls["div"] == 2  # per replica
+    assert calls["argmax"] == calls["eq"] == calls["sum"] == 0, calls  # tallied after
+    assert calls["cross_entropy"] == calls["div"] == 2  # per replica
     assert session.last_log.replicas[0].examples == 8  # counted all the same
+    assert session.last_log.accuracy is not None
+
+
+def test_the_training_accuracy_counts_the_models_correct_predictions():
+    # Counted on the caller after each run (objective.tally), over one epoch of a model
+    # a tiny learning rate leaves unchanged: the model's accuracy on the training split.
+    session = fitted("train.steps=6", "optimizer.lr=1e-12", "train.log_every=6")
+    indices = torch.as_tensor(session.pipeline.indices)
+    with torch.no_grad():
+        output = session.model(session.data.features[indices])
+    correct = int((output.argmax(1) == session.data.targets[indices]).sum())
+    assert session.totals.examples == len(indices) == 90
+    assert session.totals.correct == correct
+    assert session.last_log.accuracy == pytest.approx(correct / 90)
