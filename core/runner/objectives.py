@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -77,9 +77,19 @@ class NamedLoss:
 
     def tally(self, stats: dict[str, Any]) -> dict[str, Any]:
         """``stats`` with the correct predictions counted (0 for a regression loss)."""
-        output, y = stats.pop("predicted", (None, None))
-        stats["correct"] = 0 if output is None else (output.argmax(1) == y).sum()
+        stats["correct"] = self.tally_step([stats])
         return stats
+
+    def tally_step(self, replicas: Sequence[dict[str, Any]]) -> Any:
+        """The correct predictions of a step's replicas (their outputs dropped from
+        their ``stats``): counted in one pass where the outputs share a device, as each
+        op costs ~10 µs here whatever its size."""
+        pairs = [stats.pop("predicted") for stats in replicas if "predicted" in stats]
+        if len(pairs) > 1 and len({output.device for output, _ in pairs}) == 1:
+            with torch.no_grad():  # the outputs still require grad: record nothing
+                outputs = torch.cat([output for output, _ in pairs])
+            return (outputs.argmax(1) == torch.cat([y for _, y in pairs])).sum()
+        return sum((output.argmax(1) == y).sum() for output, y in pairs)
 
 
 class LossFunction:
@@ -115,6 +125,10 @@ class LossFunction:
         stats["metrics"] = {str(k): v.detach().sum().double() for k, v in metrics.items()}
         stats["correct"] = stats["metrics"].get("accuracy", 0)
         return stats
+
+    def tally_step(self, replicas: Sequence[dict[str, Any]]) -> Any:
+        """Each replica's ``stats`` tallied in place; returns their correct predictions."""
+        return sum(self.tally(stats)["correct"] for stats in replicas)
 
 
 def _check_per_example(target: str, what: str, value: Any, examples: int) -> None:

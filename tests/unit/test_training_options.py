@@ -287,10 +287,13 @@ def test_a_replica_step_calls_torch_for_the_model_loss_and_accuracy_only(monkeyp
     assert session.last_log.accuracy is not None
 
 
-def test_the_training_accuracy_counts_the_models_correct_predictions():
-    # Counted on the caller after each run (objective.tally), over one epoch of a model
-    # a tiny learning rate leaves unchanged: the model's accuracy on the training split.
-    session = fitted("train.steps=6", "optimizer.lr=1e-12", "train.log_every=6")
+@pytest.mark.parametrize("steps, accumulate", [(6, 1), (3, 2)])
+def test_the_training_accuracy_counts_the_models_correct_predictions(steps, accumulate):
+    # Counted on the caller after each run (objective.tally_step, all replicas and
+    # accumulated batches at once), over one epoch of a model a tiny learning rate leaves
+    # unchanged: the model's accuracy on the training split.
+    session = fitted(f"train.steps={steps}", f"train.accumulate_steps={accumulate}",
+                     "optimizer.lr=1e-12", f"train.log_every={steps}")
     indices = torch.as_tensor(session.pipeline.indices)
     with torch.no_grad():
         output = session.model(session.data.features[indices])
@@ -298,3 +301,19 @@ def test_the_training_accuracy_counts_the_models_correct_predictions():
     assert session.totals.examples == len(indices) == 90
     assert session.totals.correct == correct
     assert session.last_log.accuracy == pytest.approx(correct / 90)
+
+
+def test_tally_step_counts_all_replicas_at_once_and_records_no_graph():
+    from csrun.core.runner.objectives import NamedLoss
+    torch.manual_seed(0)
+    weight = torch.randn(3, 4, requires_grad=True)
+    replicas = []
+    for n in (5, 7):
+        output, y = torch.randn(n, 4) @ weight.t(), torch.randint(0, 3, (n,))
+        replicas.append({"loss": output.sum(), "examples": n, "predicted": (output, y)})
+    expected = sum(int((o.argmax(1) == y).sum()) for o, y in
+                   (r["predicted"] for r in replicas))
+    correct = NamedLoss("cross_entropy", True).tally_step(replicas)
+    assert int(correct) == expected and correct.grad_fn is None
+    assert all("predicted" not in r for r in replicas)  # the outputs are let go
+    assert NamedLoss("mse", False).tally_step([{"loss": torch.zeros(())}]) == 0
