@@ -26,6 +26,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does (performa
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model's module
+from targets import RUNNER_OVERHEAD_TARGET, median_interval, verdict  # noqa: E402
+
 from csrun.core import CentralStorageStrategy  # noqa: E402
 from csrun.core.data.sources import load_source  # noqa: E402
 from csrun.core.runner.preflight import load_config_text  # noqa: E402
@@ -115,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     global WIDTH
     WIDTH = args.width
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model's module
     config = load_config_text(CONFIG.replace("STEPS", "1").replace("WIDTH", str(WIDTH)), None)
     data = load_source(config.dataset.source)
     runner_step_s(5), library_step_s(5, data)  # warm up both paths
@@ -130,14 +132,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r}: runner {runner * 1e3:.2f} ms/step, library "
               f"{library * 1e3:.2f} ms/step, ratio {runner / library:.3f}", flush=True)
     ratios = sorted(row["ratio"] for row in rows)
+    interval = median_interval(ratios)
     summary = {"median_ratio": statistics.median(ratios), "min_ratio": ratios[0],
+               "ci95": interval, "target": RUNNER_OVERHEAD_TARGET,
+               "verdict": verdict(interval, RUNNER_OVERHEAD_TARGET, at_least=False),
                "median_extra_ms": statistics.median(r["runner_ms"] - r["library_ms"]
                                                     for r in rows), "width": WIDTH,
                "max_ratio": ratios[-1], "rounds": rows, "steps": args.steps,
                "replicas": len(DEVICES), "batch": BATCH, "torch": torch.__version__}
-    print(f"runner / library per step: median {summary['median_ratio']:.3f} "
-          f"(range {ratios[0]:.3f}..{ratios[-1]:.3f}, {args.rounds} rounds); the runner "
-          f"adds {summary['median_extra_ms']:.3f} ms a step (median of paired differences)")
+    ci = "no 95% interval" if interval is None else \
+        f"95% CI {interval[0]:.3f}..{interval[1]:.3f}"
+    print(f"runner / library per step: median {summary['median_ratio']:.3f} ({ci}; range "
+          f"{ratios[0]:.3f}..{ratios[-1]:.3f}, {args.rounds} rounds); the runner adds "
+          f"{summary['median_extra_ms']:.3f} ms a step (median of paired differences); "
+          f"target <= {RUNNER_OVERHEAD_TARGET}: {summary['verdict']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)

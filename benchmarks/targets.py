@@ -1,4 +1,4 @@
-"""Issue 4's targets, and how a noisy run's figures are judged against them.
+"""Issues 4, 13 and 14's targets, and how a noisy run's figures are judged against them.
 
 A median of paired ratios from one run moves by ±0.05 on a VM whose speed swings ~1.6x
 within seconds, so a bare median cannot say whether a target is met. Each median comes
@@ -24,6 +24,8 @@ OVERHEAD_TARGET_US = {"R2": 50.0}  # the most µs per empty step the issue allow
 TF_CSS_MLP_EXAMPLES_PER_S = 31_000
 # the user's plain loop after csrun ran in its process, against a process without csrun
 PLAIN_AFTER_CSRUN_TARGET = 0.97
+# issue 13: the runner's step / the hand-written library loop's, for a user model
+RUNNER_OVERHEAD_TARGET = 1.05
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple | None:

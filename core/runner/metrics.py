@@ -117,6 +117,11 @@ class MetricSinks:
         if tensorboard_dir:
             self._sinks.append(_TensorBoard(tensorboard_dir))
 
+    @property
+    def active(self) -> bool:
+        """Whether records go anywhere (a step's record is made only then)."""
+        return bool(self._sinks)
+
     def write(self, record: dict[str, Any]) -> None:
         for sink in self._sinks:
             sink.write(record)

@@ -51,7 +51,7 @@ from .events import (CheckpointSaved, Evaluated, Notice, ReplicaStats, RunResult
                      StepDone, StepLog)
 from .metrics import MetricSinks
 from .models import build_model, count_parameters, resolve_loss
-from .objectives import make_objective
+from .objectives import PendingCorrect, make_objective
 from .export import export_safetensors
 from .improvement import MetricWatch
 from .optimizers import build_optimizer, unmatched_groups
@@ -210,10 +210,9 @@ class _Tally:
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.metrics: dict[str, float] = {}  # sums of a loss function's metrics
 
-    def add(self, per_replica: Sequence[dict], correct: int, phases: dict[str, float]
-            ) -> None:
+    def add(self, per_replica: Sequence[dict], phases: dict[str, float]) -> None:
+        """A step's numbers; its correct predictions come later (``Session.settle``)."""
         self.steps += 1
-        self.correct += correct
         for r, stats in enumerate(per_replica):  # Python numbers (_replica_numbers)
             if "metrics" in stats:
                 _add_metrics(vars(self), stats)
@@ -338,6 +337,7 @@ class Session:
         self.total_steps = config.train.steps or config.train.epochs * self.steps_per_epoch
         self.manager = self._checkpoints()
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
+        self.pending_correct = PendingCorrect()  # counted into the tallies when read
         self.step = self.epoch = self.position = 0
         self.losses: list[float] = []
         self.totals, self.window = _Tally(self.replicas), _Tally(self.replicas)
@@ -413,6 +413,7 @@ class Session:
                 self.emit(Notice(f"started over (no --resume): replaced {removed} "
                                  f"checkpoint(s) of an earlier run in "
                                  f"{str(self.manager.directory)!r}"))
+        self.settle()  # the tallies are saved
         path = self.manager.save(self.step, self._payload())
         self.saved_step, self.saved_path = self.step, str(path)
         self.emit(CheckpointSaved(self.step, str(path)))
@@ -550,7 +551,7 @@ class Session:
                                      experimental_per_replica_buffer_size=buffer))
 
     def _replica_step(self, batch: Any, step_examples: int, scale: float
-                      ) -> "tuple[torch.Tensor, _Carried]":
+                      ) -> tuple[torch.Tensor, _Carried]:
         """One replica's part of a step (replica context): forward, backward; returns
         the summed loss (reduced) and the stats to tally after the run."""
         begin = time.perf_counter()
@@ -628,24 +629,19 @@ class Session:
         return "no checkpoint was written" if self.role.is_chief else \
             "checkpoints are the chief's"
 
-    def _record(self, per_replica: Sequence[dict], correct: int, loss: float, phases: dict,
+    def _record(self, per_replica: Sequence[dict], correct: Any, loss: float, phases: dict,
                 batches: int = 1, grad_norm: float | None = None) -> None:
         self.step += 1
         self.position += batches
         self.losses.append(loss)
         for tally in (self.totals, self.window, self.session):
-            tally.add(per_replica, correct, phases)
+            tally.add(per_replica, phases)
+        self.pending_correct.add(correct)
         seconds = [s["seconds"] for s in per_replica]
         if self.outputs.plot:
             self.step_times.append(seconds)
-        examples = sum(s["examples"] for s in per_replica)
-        record = {"step": self.step, "epoch": self.epoch, "loss": loss,
-                  "accuracy": correct / examples if self.classify else None,
-                  "examples": examples, "learning_rate": self._lr(),
-                  "step_time_s": seconds, "phases_s": phases}
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm  # before clipping
-        self.sinks.write(record)
+        if self.sinks.active:  # (the step's correct predictions are counted only then)
+            self._write_record(per_replica, loss, seconds, phases, grad_norm)
         self.emit(StepDone(self.step, self.total_steps, loss))
         if self.step % self.config.train.log_every == 0 or self.step == self.total_steps:
             self._log()
@@ -655,10 +651,32 @@ class Session:
         if every and self.step % every == 0:
             self.save()
 
+    def _write_record(self, per_replica: Sequence[dict], loss: float, seconds: list,
+                      phases: dict, grad_norm: float | None) -> None:
+        """The step's ``--metrics`` / TensorBoard record."""
+        examples = sum(s["examples"] for s in per_replica)
+        correct = self.settle()
+        record = {"step": self.step, "epoch": self.epoch, "loss": loss,
+                  "accuracy": correct / examples if self.classify else None,
+                  "examples": examples, "learning_rate": self._lr(),
+                  "step_time_s": seconds, "phases_s": phases}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm  # before clipping
+        self.sinks.write(record)
+
+    def settle(self) -> int:
+        """Count the correct predictions waiting since the last count into the tallies
+        (before they are read: a log line, a record, a checkpoint); returns them."""
+        correct = self.pending_correct.take()
+        for tally in (self.totals, self.window, self.session):
+            tally.correct += correct
+        return correct
+
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _log(self) -> None:
+        self.settle()
         window = self.window
         self.last_log = StepLog(
             step=self.step, total_steps=self.total_steps, epoch=self.epoch,
@@ -903,10 +921,11 @@ class _Carried:
 
 
 def _replica_numbers(runs: list[Sequence[dict]], objective
-                     ) -> tuple[list[dict[str, Any]], int]:
+                     ) -> tuple[list[dict[str, Any]], Any]:
     """Each replica's stats as Python numbers summed over the runs of an accumulated step
     (converted once here, then read by the checks, tallies and the step record), and the
-    step's correct predictions, tallied here after the run (``objective.tally_step``)."""
+    step's correct predictions, tallied after the run (``objective.tally_step``): a
+    number, or outputs for :class:`PendingCorrect` to count."""
     correct = objective.tally_step([stats for run in runs for stats in run])
     numbers = []
     for replica in zip(*runs):
@@ -918,7 +937,7 @@ def _replica_numbers(runs: list[Sequence[dict]], objective
             if "metrics" in stats:  # a loss function's
                 _add_metrics(total, stats)
         numbers.append(total)
-    return numbers, int(float(correct))  # a user metric may be fractional: whole once summed
+    return numbers, correct
 
 
 def _first_leaf(batch: Any) -> Any:

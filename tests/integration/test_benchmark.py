@@ -70,4 +70,6 @@ def test_runner_overhead_benchmark_runs(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--rounds", "1", "--steps", "3", "--json", str(tmp_path / "o.json")]) == 0
-    assert json.loads((tmp_path / "o.json").read_text())["median_ratio"] > 0
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert result["median_ratio"] > 0 and result["target"] == 1.05
+    assert result["ci95"] is None and result["verdict"] == "too few rounds"  # 1 round

@@ -100,6 +100,21 @@ def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(tmp_path, extra
     assert resumed.metrics == uninterrupted.metrics
 
 
+def test_a_resumed_run_logs_the_accuracy_an_uninterrupted_one_logs(tmp_path):
+    # The log window of steps 6-10 spans the stop at 7: the checkpoint holds the window's
+    # correct predictions so far, counted when it is saved (they wait until read).
+    _, events = run()
+    logged = {e.step: e.accuracy for e in events if isinstance(e, StepLog)}
+    overrides = (f"checkpoint.dir={tmp_path}",)
+    stop = threading.Event()
+    first = train(config(*overrides), stop=stop,
+                  on_event=lambda e: getattr(e, "step", None) == 7 and stop.set())
+    assert first.status == "interrupted" and first.steps == 7
+    _, again = run(*overrides, resume=True)
+    assert {e.step: e.accuracy for e in again if isinstance(e, StepLog)} == \
+        {step: accuracy for step, accuracy in logged.items() if step > 7}
+
+
 def test_resume_refuses_another_config_and_starts_fresh_without_checkpoints(tmp_path):
     ck = f"checkpoint.dir={tmp_path / 'ck'}"
     fresh, events = run(ck, resume=True)
@@ -149,6 +164,26 @@ def test_metrics_file_has_one_line_per_step(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 19))
     assert lines[-1]["loss"] == result.losses[-1] and len(lines[0]["step_time_s"]) == 2
+
+
+def test_each_metrics_record_counts_its_own_steps_correct_predictions(tmp_path):
+    # Without a sink the counts wait for the log line (PendingCorrect); with one, each
+    # record counts its step: the records add up to each log window's accuracy.
+    path = tmp_path / "metrics.jsonl"
+    _, events = run(outputs=Outputs(metrics=str(path)))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    correct = [round(line["accuracy"] * line["examples"]) for line in lines]
+    assert all(abs(c - line["accuracy"] * line["examples"]) < 1e-9
+               for c, line in zip(correct, lines))
+    start = 0
+    for log in (e for e in events if isinstance(e, StepLog)):
+        window = slice(start, log.step)
+        examples = sum(line["examples"] for line in lines[window])
+        assert log.accuracy == pytest.approx(sum(correct[window]) / examples)
+        start = log.step
+    _, quiet = run()  # no sink: the same log lines
+    assert [e.accuracy for e in quiet if isinstance(e, StepLog)] == \
+        [e.accuracy for e in events if isinstance(e, StepLog)]
 
 
 @pytest.mark.skipif(not plot_available(), reason="matplotlib (csrun[plot]) not installed")

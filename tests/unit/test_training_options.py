@@ -303,17 +303,44 @@ def test_the_training_accuracy_counts_the_models_correct_predictions(steps, accu
     assert session.last_log.accuracy == pytest.approx(correct / 90)
 
 
-def test_tally_step_counts_all_replicas_at_once_and_records_no_graph():
-    from csrun.core.runner.objectives import NamedLoss
+def _replica_outputs(sizes, classes=4):
+    weight = torch.randn(3, classes, requires_grad=True)
+    return [{"loss": torch.zeros(()), "examples": n,
+             "predicted": (torch.randn(n, classes) @ weight.t(), torch.randint(0, 3, (n,)))}
+            for n in sizes]
+
+
+def _counted(replicas):
+    return sum(int((o.argmax(1) == y).sum()) for o, y in (r["predicted"] for r in replicas))
+
+
+def test_a_steps_correct_predictions_are_counted_in_one_pass_recording_no_graph():
+    from csrun.core.runner.objectives import NamedLoss, count_correct
     torch.manual_seed(0)
-    weight = torch.randn(3, 4, requires_grad=True)
-    replicas = []
-    for n in (5, 7):
-        output, y = torch.randn(n, 4) @ weight.t(), torch.randint(0, 3, (n,))
-        replicas.append({"loss": output.sum(), "examples": n, "predicted": (output, y)})
-    expected = sum(int((o.argmax(1) == y).sum()) for o, y in
-                   (r["predicted"] for r in replicas))
-    correct = NamedLoss("cross_entropy", True).tally_step(replicas)
+    replicas = _replica_outputs([5, 7])
+    expected = _counted(replicas)
+    pairs = NamedLoss("cross_entropy", True).tally_step(replicas)
+    assert all("predicted" not in r for r in replicas)  # taken from the stats
+    correct = count_correct(pairs)
     assert int(correct) == expected and correct.grad_fn is None
-    assert all("predicted" not in r for r in replicas)  # the outputs are let go
-    assert NamedLoss("mse", False).tally_step([{"loss": torch.zeros(())}]) == 0
+    assert NamedLoss("mse", False).tally_step([{"loss": torch.zeros(())}]) == []
+    assert count_correct([]) == 0
+
+
+def test_pending_correct_counts_when_taken_or_when_it_would_hold_too_much():
+    from csrun.core.runner.objectives import NamedLoss, PendingCorrect
+    torch.manual_seed(0)
+    loss = NamedLoss("cross_entropy", True)
+    steps = [_replica_outputs([6, 6]) for _ in range(4)]
+    expected = [_counted(step) for step in steps]
+    pending = PendingCorrect()
+    for step in steps[:3]:
+        pending.add(loss.tally_step(step))
+    assert len(pending._pairs) == 6  # nothing counted yet
+    assert pending.take() == sum(expected[:3]) and pending.take() == 0
+    small = PendingCorrect(limit_bytes=1)  # every step's outputs are over the limit
+    small.add(loss.tally_step(steps[3]))
+    assert small._pairs == [] and small.take() == expected[3]  # counted at once, let go
+    pending.add(2.0)  # a loss function's count is a number
+    pending.add(torch.tensor(3.0, dtype=torch.float64))
+    assert pending.take() == 5
