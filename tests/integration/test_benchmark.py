@@ -73,3 +73,8 @@ def test_runner_overhead_benchmark_runs(tmp_path):
     result = json.loads((tmp_path / "o.json").read_text())
     assert result["median_ratio"] > 0 and result["target"] == 1.05
     assert result["ci95"] is None and result["verdict"] == "too few rounds"  # 1 round
+    assert module.main(["--processes", "2", "--rounds", "1", "--steps", "2", "--json",
+                        str(tmp_path / "p.json")]) == 0
+    pooled = json.loads((tmp_path / "p.json").read_text())
+    assert [row["process"] for row in pooled["rounds"]] == [0, 1]
+    assert len(pooled["process_medians"]) == 2
