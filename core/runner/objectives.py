@@ -73,18 +73,19 @@ class NamedLoss:
         output = model(x)
         stats = {"loss": self._fn(output, y), "examples": int(x.shape[0])}
         if self.classify:
-            stats["predicted"] = (output, y)  # not detached: detach is one more op here
+            stats["predicted"] = (output, y)  # detached after the run: one op less here
         return stats
 
     def tally(self, stats: dict[str, Any]) -> dict[str, Any]:
         """``stats`` with the correct predictions counted (0 for a regression loss)."""
-        stats["correct"] = count_correct(self.tally_step([stats]))
+        stats["correct"] = count_correct(self.tally_step([[stats]]))
         return stats
 
-    def tally_step(self, replicas: Sequence[dict[str, Any]]) -> list[tuple]:
-        """A step's ``(output, targets)`` pairs, taken from its replicas' ``stats``, for
-        :class:`PendingCorrect` to count (none for a regression loss)."""
-        return [stats.pop("predicted") for stats in replicas if "predicted" in stats]
+    def tally_step(self, runs: Sequence[Sequence[dict[str, Any]]]) -> list[tuple]:
+        """A step's ``(output, targets)`` pairs, taken from each run's replica ``stats``
+        and cut from their graphs, for :class:`PendingCorrect` to count later (none for
+        a regression loss)."""
+        return [_taken(stats) for run in runs for stats in run if "predicted" in stats]
 
 
 class LossFunction:
@@ -121,28 +122,36 @@ class LossFunction:
         stats["correct"] = stats["metrics"].get("accuracy", 0)
         return stats
 
-    def tally_step(self, replicas: Sequence[dict[str, Any]]) -> Any:
-        """Each replica's ``stats`` tallied in place; returns their correct predictions."""
-        return sum(self.tally(stats)["correct"] for stats in replicas)
+    def tally_step(self, runs: Sequence[Sequence[dict[str, Any]]]) -> int:
+        """Each run's replica ``stats`` tallied in place; returns the step's correct
+        predictions, each replica's made whole once summed over its runs (a fractional
+        accuracy counts the same however often the count is read)."""
+        return sum(int(sum(float(self.tally(stats)["correct"]) for stats in replica))
+                   for replica in zip(*runs))
+
+
+def _taken(stats: dict[str, Any]) -> tuple:
+    output, targets = stats.pop("predicted")
+    return output.detach(), targets
 
 
 def count_correct(pairs: Sequence[tuple]) -> Any:
     """The correct predictions (argmax over dim 1) in ``(output, targets)`` pairs: one
-    argmax, == and sum over each device's concatenated outputs."""
+    argmax, == and sum over each device's concatenated outputs. A tensor when the
+    outputs share a device; a Python int when not (counts on two GPUs do not add)."""
     by_device: dict[torch.device, list[tuple]] = {}
     for pair in pairs:
         by_device.setdefault(pair[0].device, []).append(pair)
-    total: Any = 0
-    for group in by_device.values():
-        outputs, targets = (group[0][0], group[0][1]) if len(group) == 1 else \
-            _concatenated(group)
-        total = total + (outputs.argmax(1) == targets).sum()
-    return total
+    counts = [(outputs.argmax(1) == targets).sum() for outputs, targets in
+              (group[0] if len(group) == 1 else _concatenated(group)
+               for group in by_device.values())]
+    if len(counts) == 1:
+        return counts[0]
+    return sum(int(count) for count in counts)
 
 
 def _concatenated(pairs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():  # the outputs may still require grad: record nothing
-        return torch.cat([o for o, _ in pairs]), torch.cat([y for _, y in pairs])
+    return torch.cat([o for o, _ in pairs]), torch.cat([y for _, y in pairs])
 
 
 class PendingCorrect:
@@ -150,42 +159,38 @@ class PendingCorrect:
 
     Counting a step (cat, argmax, ==, sum and a read) is a few small ops that cost
     ~10-15 µs each right after a run whatever their size: ~0.1 ms, 3% of a small model's
-    2-replica step. A step's outputs wait here instead and are counted together when
-    the count is taken (a log line, a ``--metrics`` record, a checkpoint) or when they
-    would hold more than ``limit_bytes``. The outputs are kept as the replicas made
-    them (a detach there would be one more op); nothing backpropagates through them.
+    2-replica step. A step's outputs (detached: their graphs go with the step) wait
+    here instead and are counted together when the count is taken (a log line, a
+    ``--metrics`` record, a checkpoint) or when their storage passes ``limit_bytes``.
     """
 
     def __init__(self, limit_bytes: int = 16 << 20):
         self.limit_bytes = limit_bytes
         self._pairs: list[tuple] = []
         self._bytes = 0
-        self._counted: Any = 0
+        self._counted = 0
 
-    def add(self, correct: Any) -> None:
+    def add(self, correct: int | list[tuple]) -> None:
         """A step's count: a number, or ``(output, targets)`` pairs to count later."""
         if not isinstance(correct, list):
             self._counted += correct
             return
         self._pairs += correct
-        self._bytes += sum(o.nbytes + y.nbytes for o, y in correct)
+        # what they hold: a view's whole storage (a slice of a bigger output keeps it)
+        self._bytes += sum(o.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+                           for o, y in correct)
         if self._bytes > self.limit_bytes:
             self._count()
 
     def take(self) -> int:
-        """The correct predictions added since the last ``take`` (a fractional user
-        metric is made whole once summed)."""
+        """The correct predictions added since the last ``take``."""
         self._count()
         counted, self._counted = self._counted, 0
-        return int(float(counted))
-
-    def clear(self) -> None:
-        """Forget what was added (a resumed run's tallies come from its checkpoint)."""
-        self._pairs, self._bytes, self._counted = [], 0, 0
+        return counted
 
     def _count(self) -> None:
         if self._pairs:
-            self._counted = self._counted + count_correct(self._pairs)
+            self._counted += int(count_correct(self._pairs))
             self._pairs, self._bytes = [], 0
 
 

@@ -211,7 +211,7 @@ class _Tally:
         self.metrics: dict[str, float] = {}  # sums of a loss function's metrics
 
     def add(self, per_replica: Sequence[dict], phases: dict[str, float]) -> None:
-        """A step's numbers; its correct predictions come later (``Session.settle``)."""
+        """A step's numbers; its correct predictions come later (``_count_correct``)."""
         self.steps += 1
         for r, stats in enumerate(per_replica):  # Python numbers (_replica_numbers)
             if "metrics" in stats:
@@ -413,7 +413,7 @@ class Session:
                 self.emit(Notice(f"started over (no --resume): replaced {removed} "
                                  f"checkpoint(s) of an earlier run in "
                                  f"{str(self.manager.directory)!r}"))
-        self.settle()  # the tallies are saved
+        self._count_correct()  # the tallies are saved
         path = self.manager.save(self.step, self._payload())
         self.saved_step, self.saved_path = self.step, str(path)
         self.emit(CheckpointSaved(self.step, str(path)))
@@ -580,12 +580,12 @@ class Session:
         outs = [strategy.run(self._replica_step, args=(b, examples, scale)) for b in batches]
         t1 = time.perf_counter()
         per_replica, correct = _replica_numbers(
-            [[c.stats for c in strategy.experimental_local_results(o[1])] for o in outs],
-            self.objective)
+            [[c.stats for c in strategy.experimental_local_results(carried)]
+             for _, carried in outs], self.objective)
         self._check_finite(per_replica)
         grad_norm = self._update()
         t2 = time.perf_counter()
-        loss = sum(float(strategy.reduce("SUM", o[0], axis=None)) for o in outs) / \
+        loss = sum(float(strategy.reduce("SUM", losses, axis=None)) for losses, _ in outs) / \
             sum(s["examples"] for s in per_replica)
         t3 = time.perf_counter()
         self._record(per_replica, correct, loss, {"distribute": distribute_s,
@@ -655,7 +655,7 @@ class Session:
                       phases: dict, grad_norm: float | None) -> None:
         """The step's ``--metrics`` / TensorBoard record."""
         examples = sum(s["examples"] for s in per_replica)
-        correct = self.settle()
+        correct = self._count_correct()
         record = {"step": self.step, "epoch": self.epoch, "loss": loss,
                   "accuracy": correct / examples if self.classify else None,
                   "examples": examples, "learning_rate": self._lr(),
@@ -664,7 +664,7 @@ class Session:
             record["grad_norm"] = grad_norm  # before clipping
         self.sinks.write(record)
 
-    def settle(self) -> int:
+    def _count_correct(self) -> int:
         """Count the correct predictions waiting since the last count into the tallies
         (before they are read: a log line, a record, a checkpoint); returns them."""
         correct = self.pending_correct.take()
@@ -676,7 +676,7 @@ class Session:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _log(self) -> None:
-        self.settle()
+        self._count_correct()
         window = self.window
         self.last_log = StepLog(
             step=self.step, total_steps=self.total_steps, epoch=self.epoch,
@@ -926,7 +926,7 @@ def _replica_numbers(runs: list[Sequence[dict]], objective
     (converted once here, then read by the checks, tallies and the step record), and the
     step's correct predictions, tallied after the run (``objective.tally_step``): a
     number, or outputs for :class:`PendingCorrect` to count."""
-    correct = objective.tally_step([stats for run in runs for stats in run])
+    correct = objective.tally_step(runs)  # (takes the outputs out of the stats)
     numbers = []
     for replica in zip(*runs):
         total: dict[str, Any] = {"loss": 0.0, "examples": 0, "seconds": 0.0}

@@ -78,3 +78,8 @@ def test_runner_overhead_benchmark_runs(tmp_path):
     pooled = json.loads((tmp_path / "p.json").read_text())
     assert [row["process"] for row in pooled["rounds"]] == [0, 1]
     assert len(pooled["process_medians"]) == 2
+    # pooled rounds look independent; processes differ more: every process must agree
+    assert module.pooled_verdict((1.00, 1.03), [1.01, 1.02]) == "met"
+    assert module.pooled_verdict((1.00, 1.03), [1.01, 1.06]) == "inconclusive"
+    assert module.pooled_verdict((1.06, 1.08), [1.07, 1.04]) == "inconclusive"
+    assert module.pooled_verdict((1.06, 1.08), [1.07]) == "missed"

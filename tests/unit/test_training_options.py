@@ -260,7 +260,7 @@ def test_clearing_grads_keeps_a_zero_grad_patched_onto_the_optimizer():
 
 
 # -- per-step cost ----------------------------------------------------------------------
-def test_a_replica_step_calls_torch_for_the_model_loss_and_accuracy_only(monkeypatch):
+def test_a_replica_step_calls_torch_for_the_model_and_loss_only(monkeypatch):
     # Each small op in a replica waits for the GIL the other replicas hold (~30 µs each
     # with 2 replicas in runner_overhead.py's timelines): the example count and the
     # step's seconds are Python numbers, and a float32 loss is not cast again.
@@ -281,7 +281,7 @@ def test_a_replica_step_calls_torch_for_the_model_loss_and_accuracy_only(monkeyp
     monkeypatch.setattr(Session, "_replica_step", counted)
     session = fitted("train.steps=1", "train.log_every=1")
     assert calls["tensor"] == calls["float"] == calls["to"] == 0, calls
-    assert calls["argmax"] == calls["eq"] == calls["sum"] == 0, calls  # tallied after
+    assert calls["argmax"] == calls["__eq__"] == calls["sum"] == 0, calls  # counted after
     assert calls["cross_entropy"] == calls["div"] == 2  # per replica
     assert session.last_log.replicas[0].examples == 8  # counted all the same
     assert session.last_log.accuracy is not None
@@ -314,17 +314,38 @@ def _counted(replicas):
     return sum(int((o.argmax(1) == y).sum()) for o, y in (r["predicted"] for r in replicas))
 
 
-def test_a_steps_correct_predictions_are_counted_in_one_pass_recording_no_graph():
+def test_a_steps_outputs_are_taken_detached_and_counted_in_one_pass():
     from csrun.core.runner.objectives import NamedLoss, count_correct
     torch.manual_seed(0)
-    replicas = _replica_outputs([5, 7])
-    expected = _counted(replicas)
-    pairs = NamedLoss("cross_entropy", True).tally_step(replicas)
-    assert all("predicted" not in r for r in replicas)  # taken from the stats
-    correct = count_correct(pairs)
-    assert int(correct) == expected and correct.grad_fn is None
-    assert NamedLoss("mse", False).tally_step([{"loss": torch.zeros(())}]) == []
+    runs = [_replica_outputs([5, 7]), _replica_outputs([4, 3])]  # accumulated: 2 runs
+    expected = sum(_counted(run) for run in runs)
+    pairs = NamedLoss("cross_entropy", True).tally_step(runs)
+    assert all("predicted" not in r for run in runs for r in run)  # taken from the stats
+    assert len(pairs) == 4 and not any(o.requires_grad for o, _ in pairs)  # graphs let go
+    assert int(count_correct(pairs)) == expected
+    assert NamedLoss("mse", False).tally_step([[{"loss": torch.zeros(())}]]) == []
     assert count_correct([]) == 0
+
+
+class _OnAnotherGPU(torch.Tensor):
+    """A CPU tensor that says it is on cuda:1 (count_correct groups by device)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 1)
+
+
+def test_counts_on_different_devices_are_added_as_numbers():
+    # 0-dim counts on cuda:0 and cuda:1 cannot be added as tensors
+    from csrun.core.runner.objectives import count_correct
+    torch.manual_seed(0)
+    here = (torch.randn(6, 3), torch.randint(0, 3, (6,)))
+    there = tuple(t.as_subclass(_OnAnotherGPU) for t in
+                  (torch.randn(5, 3), torch.randint(0, 3, (5,))))
+    counted = count_correct([here, there])
+    assert type(counted) is int
+    assert counted == sum(int((o.argmax(1) == y).sum()) for o, y in
+                          (here, tuple(torch.Tensor(t) for t in there)))
 
 
 def test_pending_correct_counts_when_taken_or_when_it_would_hold_too_much():
@@ -335,12 +356,25 @@ def test_pending_correct_counts_when_taken_or_when_it_would_hold_too_much():
     expected = [_counted(step) for step in steps]
     pending = PendingCorrect()
     for step in steps[:3]:
-        pending.add(loss.tally_step(step))
+        pending.add(loss.tally_step([step]))
     assert len(pending._pairs) == 6  # nothing counted yet
     assert pending.take() == sum(expected[:3]) and pending.take() == 0
     small = PendingCorrect(limit_bytes=1)  # every step's outputs are over the limit
-    small.add(loss.tally_step(steps[3]))
+    small.add(loss.tally_step([steps[3]]))
     assert small._pairs == [] and small.take() == expected[3]  # counted at once, let go
-    pending.add(2.0)  # a loss function's count is a number
-    pending.add(torch.tensor(3.0, dtype=torch.float64))
-    assert pending.take() == 5
+    pending.add(2)  # a loss function's count is a number
+    assert pending.take() == 2
+    view = torch.randn(64, 32, 3)[:, -1]  # a slice keeps its whole storage alive
+    pending.add([(view, torch.zeros(64, dtype=torch.long))])
+    assert pending._bytes == 64 * 32 * 3 * 4 + 64 * 8
+
+
+def test_a_fractional_accuracy_counts_the_same_however_often_it_is_read():
+    # A loss function's accuracy may be fractional: each replica's is made whole per
+    # step, as before, so a log line does not depend on when the count was read.
+    from csrun.core.runner.objectives import LossFunction
+    loss = LossFunction("torch.nn.functional:cross_entropy")  # any importable target
+    runs = [[{"loss": torch.zeros(()), "examples": 2,
+              "per_example": {"accuracy": torch.tensor([0.75, 0.5])}} for _ in range(2)]
+            for _ in range(2)]  # 2 runs x 2 replicas: each replica 2.5 -> 2
+    assert loss.tally_step(runs) == 4
