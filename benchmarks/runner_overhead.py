@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does (performa
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model's module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the model, targets
 from targets import RUNNER_OVERHEAD_TARGET, median_interval, verdict  # noqa: E402
 
 from csrun.core import CentralStorageStrategy  # noqa: E402

@@ -214,8 +214,7 @@ class _Tally:
         """A step's numbers; its correct predictions come later (``_count_correct``)."""
         self.steps += 1
         for r, stats in enumerate(per_replica):  # Python numbers (_replica_numbers)
-            if "metrics" in stats:
-                _add_metrics(vars(self), stats)
+            _add_metrics(vars(self), stats)
             examples, loss = stats["examples"], stats["loss"]
             self.examples += examples
             self.loss += loss
@@ -934,8 +933,7 @@ def _replica_numbers(runs: list[Sequence[dict]], objective
             total["loss"] += float(stats["loss"])
             total["examples"] += stats["examples"]
             total["seconds"] += stats["seconds"]
-            if "metrics" in stats:  # a loss function's
-                _add_metrics(total, stats)
+            _add_metrics(total, stats)
         numbers.append(total)
     return numbers, correct
 
@@ -948,9 +946,12 @@ def _first_leaf(batch: Any) -> Any:
 
 
 def _add_metrics(totals: dict, stats: dict) -> None:
-    """Sum a loss function's metrics (``stats["metrics"]``) into ``totals["metrics"]``."""
+    """Sum a loss function's metrics (``stats["metrics"]``) into ``totals["metrics"]``;
+    a named loss has none, and adds no ``metrics`` entry (a step's hot path)."""
+    if "metrics" not in stats:
+        return
     sums = totals.setdefault("metrics", {})
-    for name, value in stats.get("metrics", {}).items():
+    for name, value in stats["metrics"].items():
         sums[name] = sums.get(name, 0.0) + float(value)
 
 
