@@ -10,7 +10,7 @@ import typer
 
 from csrun.core.runner.launch import launch as run_job
 from csrun.core.runner.launch import plan_launch
-from csrun.core.runner.session import stop_on_signals
+from csrun.core.runner.signals import stop_on_signals
 
 from .outcomes import reporting
 from .render import View, clean_floats, write_json

@@ -20,7 +20,8 @@ from csrun.core.runner.preflight import check_outputs, check_writable
 from csrun.core.config.problems import ConfigError, ConfigNotice, Problem
 from csrun.core.config.user_code import UserCodeError
 from csrun.core.runner.events import Notice
-from csrun.core.runner.session import Aborted, RunError
+from csrun.core.runner.errors import RunError
+from csrun.core.runner.signals import Aborted
 
 from .render import View, clean_floats, write_json
 

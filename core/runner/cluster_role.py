@@ -17,7 +17,7 @@ the ``ParameterServerStrategy`` built from them:
 A worker is a :class:`~csrun.core.runner.session.Session` with a :class:`ClusterRole`,
 which does those parts. Non-chief workers wait until the chief has initialized (or
 restored) the variables, as TF's workers wait for the chief's session. A ps that dies
-stops the workers with a :class:`~csrun.core.runner.session.RunError` (exit 1) that names
+stops the workers with a :class:`~csrun.core.runner.errors.RunError` (exit 1) that names
 the last checkpoint, intact.
 """
 
@@ -37,7 +37,9 @@ from .events import Notice, RunResult
 from ..cluster.heartbeat import ChiefGone
 from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
-from .session import Outputs, RunError, Session, _identity, run_session
+from .checkpointing import run_identity
+from .errors import RunError
+from .session import Outputs, Session, run_session
 from ..distribute.strategy import StrategyOptions
 
 __all__ = ["run_task", "connect", "ClusterRole", "ClusterJoined", "ClusterRunResult",
@@ -159,7 +161,7 @@ def job_settings(config) -> dict[str, Any]:
     """What every task of a job must agree on, as dotted keys: the model, optimizer,
     data and seed (a checkpoint's identity), how long it trains, and where variables go.
     Not the devices: each machine has its own."""
-    settings = {k: v for k, v in _identity(config, 0).items() if k != "strategy.replicas"}
+    settings = {k: v for k, v in run_identity(config, 0).items() if k != "strategy.replicas"}
     settings.update({"train.steps": config.train.steps, "train.epochs": config.train.epochs,
                      "strategy.variable_placement": config.strategy.variable_placement})
     return settings
@@ -210,7 +212,7 @@ def _serve(strategy, config, joined: ClusterJoined, stop: threading.Event) -> Se
 
 class ClusterRole:
     """A worker's part in the job, for its :class:`~csrun.core.runner.session.Session`
-    (the interface: :class:`~csrun.core.runner.session.Role`; see the module docstring
+    (the interface: :class:`~csrun.core.runner.roles.Role`; see the module docstring
     for what the chief does besides)."""
 
     sliced = True  # the loss is divided by the whole global batch; the chief evaluates it all
@@ -230,10 +232,10 @@ class ClusterRole:
         return ", ".join(f"ps:{k}" for k in range(len(self.ext.parameter_devices)))
 
     # -- checkpoints: the chief's, with every ps task's variables and optimizer state -----
-    def checkpoint_state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"ps": self.ext.ps_state()}
 
-    def load_checkpoint_state(self, payload: dict) -> None:
+    def load_state_dict(self, payload: dict) -> None:
         if "ps" not in payload:
             raise ValueError("it holds no parameter-server state (a central-storage run "
                              "wrote it); use another checkpoint.dir")

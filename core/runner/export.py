@@ -11,13 +11,17 @@ Written atomically (a temp file, fsync, rename), like the checkpoints.
 from __future__ import annotations
 
 import pathlib
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save
 
+from ..config.schema import RunConfig
 from .checkpoint import write_atomic
+from .errors import RunError
+from .events import Notice
 
-__all__ = ["export_safetensors"]
+__all__ = ["export_safetensors", "export_final"]
 
 
 def export_safetensors(model: torch.nn.Module, path: str | pathlib.Path) -> pathlib.Path:
@@ -34,3 +38,23 @@ def export_safetensors(model: torch.nn.Module, path: str | pathlib.Path) -> path
     data = save(tensors, metadata={"format": "pt", "writer": "csrun"})
     write_atomic(path, lambda f: f.write(data))
     return path
+
+
+def export_final(config: RunConfig, model: torch.nn.Module, is_chief: bool,
+                 emit: Callable[[Any], None], note: Callable[[], str]) -> str | None:
+    """``checkpoint.export``: the final weights as ``<dir>/model.safetensors`` (the
+    chief's); the path written, or None. ``note`` says what a failure leaves behind.
+
+    Raises:
+      RunError: the file could not be written.
+    """
+    if config.checkpoint.export is None or not is_chief:
+        return None
+    path = pathlib.Path(config.checkpoint.dir) / "model.safetensors"
+    try:
+        export_safetensors(model, path)
+    except OSError as exc:
+        raise RunError(f"cannot export the final weights to {str(path)!r}: "
+                       f"{exc.strerror or exc}; {note()}") from None
+    emit(Notice(f"exported the final weights to {path}"))
+    return str(path)

@@ -281,7 +281,7 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
       on_event: hears :class:`TaskStarted`, :class:`TaskOutput` and :class:`TaskExited`.
       stop: set it to stop the job cleanly: the signal named first in ``received``
         (default SIGTERM) goes to every task. A KeyboardInterrupt while waiting (a
-        second Ctrl-C, with :func:`csrun.core.runner.session.stop_on_signals`) kills them.
+        second Ctrl-C, with :func:`csrun.core.runner.signals.stop_on_signals`) kills them.
     """
     emit = on_event or (lambda event: None)
     stop = stop or threading.Event()

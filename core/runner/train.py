@@ -25,7 +25,8 @@ from .events import Notice, RunResult
 from .metrics import tensorboard_available
 from .plots import plot_available
 from .preflight import check_outside, check_writable, load_config
-from .session import Outputs, Session, run_session, stop_on_signals
+from .session import Outputs, Session, run_session
+from .signals import stop_on_signals
 
 __all__ = ["train", "train_from_file", "task_name"]
 
@@ -63,7 +64,7 @@ def train(config: RunConfig, *, resume: bool = False, outputs: Outputs | None = 
     Raises:
       ConfigError: unusable options (``--plot`` without matplotlib, ``--resume`` without
         ``checkpoint.dir``).
-      RunError: a runtime failure (:class:`~csrun.core.runner.session.NonFiniteLoss`, an
+      RunError: a runtime failure (:class:`~csrun.core.runner.errors.NonFiniteLoss`, an
         empty epoch).
       CheckpointError: the checkpoint to resume from is damaged or from another run, or
         one cannot be written.

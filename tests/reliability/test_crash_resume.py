@@ -107,6 +107,6 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(point, csrun
 
 def _identity_of(config_path: Path) -> dict:
     from csrun.core.runner.preflight import load_config
-    from csrun.core.runner.session import _identity
+    from csrun.core.runner.checkpointing import run_identity
     config = load_config(config_path, LONG)
-    return _identity(config, len(config.strategy.compute_devices))
+    return run_identity(config, len(config.strategy.compute_devices))

@@ -18,7 +18,7 @@ import injected_faults
 from csrun.cli.main import app
 from csrun.core.runner.checkpoint import CheckpointManager
 from csrun.core.runner.preflight import load_config
-from csrun.core.runner.session import _identity
+from csrun.core.runner.checkpointing import run_identity
 
 CONFIG = """\
 strategy: {compute_devices: [CPU:0, CPU:1, CPU:2], parameter_device: CPU:0}
@@ -71,7 +71,7 @@ def test_a_non_finite_loss_names_step_and_replica_and_the_checkpoint_survives(mo
     # intact: it verifies (size, SHA-256) and loads, and resuming from it ends exactly
     # where the clean run ended
     config = load_config(run_dir / "c.yaml")
-    latest = CheckpointManager("ck", 2, _identity(config, 3)).load_latest()
+    latest = CheckpointManager("ck", 2, run_identity(config, 3)).load_latest()
     assert latest is not None and latest[1]["step"] == 6
     injected_faults.FAULT = None
     resumed, result = _train(run_dir, "--resume")

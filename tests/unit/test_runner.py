@@ -11,7 +11,8 @@ from csrun.core.runner.events import CheckpointSaved, Evaluated, Notice, RunStar
 from csrun.core.runner.metrics import tensorboard_available
 from csrun.core.runner.plots import plot_available
 from csrun.core.config.problems import ConfigError
-from csrun.core.runner.session import NonFiniteLoss, Outputs
+from csrun.core.runner.errors import NonFiniteLoss
+from csrun.core.runner.session import Outputs
 from csrun.core.runner.train import train
 
 TINY = """\
@@ -145,9 +146,9 @@ def test_non_finite_loss_names_step_and_replica_and_keeps_the_checkpoint(tmp_pat
     manifests = sorted(tmp_path.glob("*.json"))
     assert manifests  # the last good checkpoint is still there and loads
     from csrun.core.runner.checkpoint import CheckpointManager
-    from csrun.core.runner.session import _identity
+    from csrun.core.runner.checkpointing import run_identity
     cfg = config(*overrides)
-    assert CheckpointManager(tmp_path, 3, _identity(cfg, 2)).load_latest() is not None
+    assert CheckpointManager(tmp_path, 3, run_identity(cfg, 2)).load_latest() is not None
 
 
 def test_one_replica_and_regression(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from csrun.core.config.problems import ConfigError
-from csrun.core.runner import session as session_module
+from csrun.core.runner import replica_step
 from csrun.core.runner.events import Evaluated
 from csrun.core.runner.export import export_safetensors
 from csrun.core.runner.preflight import load_config_text
@@ -85,18 +85,18 @@ def test_accumulated_small_batches_take_the_big_batch_steps():
     big = fitted(text=LINEAR)
     small = fitted("dataset.steps.0.size=8", "train.accumulate_steps=4", text=LINEAR)
     # 100 examples: big batches 32,32,32,4; small ones 12 x 8 + 4, the last step's alone
-    assert big.step == small.step == 8 and small.steps_per_epoch == 4
-    assert small.totals.examples == big.totals.examples == 200
+    assert big.state.step == small.state.step == 8 and small.steps_per_epoch == 4
+    assert small.state.totals.examples == big.state.totals.examples == 200
     for a, b in zip(big.model.parameters(), small.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert small.losses == pytest.approx(big.losses, rel=1e-5)
+    assert small.state.losses == pytest.approx(big.state.losses, rel=1e-5)
 
 
 def test_train_steps_counts_optimizer_steps():
     session = fitted("dataset.steps.0.size=8", "train.accumulate_steps=3", "train.epochs=null",
                      "train.steps=6", text=LINEAR)
     # 13 batches a pass (12 x 8 + 4): steps of 3, 3, 3, 3, then the 1 left, then 3
-    assert session.step == 6 and session.totals.examples == 100 + 3 * 8
+    assert session.state.step == 6 and session.state.totals.examples == 100 + 3 * 8
     assert session.steps_per_epoch == 5
 
 
@@ -203,13 +203,13 @@ def test_a_run_exports_its_final_weights(tmp_path):
 def test_compile_trains_like_eager(monkeypatch):
     from torch._dynamo.testing import CompileCounter
     counter = CompileCounter()
-    monkeypatch.setattr(session_module, "_compiled",
+    monkeypatch.setattr(replica_step, "compiled",
                         lambda model: torch.compile(model, backend=counter))
     torch._dynamo.reset()
     compiled = fitted("train.compile=true", "train.steps=4")
     eager = fitted("train.steps=4")
     assert counter.frame_count >= 1  # the replicas called the compiled model
-    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+    assert compiled.state.losses == pytest.approx(eager.state.losses, rel=1e-4)
 
 
 @pytest.mark.parametrize("steps", [6, 12])
@@ -218,7 +218,7 @@ def test_compile_does_not_recompile_per_step(monkeypatch, steps):
     included): as many for 12 steps as for 6, none per step."""
     from torch._dynamo.testing import CompileCounter
     counter = CompileCounter()
-    monkeypatch.setattr(session_module, "_compiled",
+    monkeypatch.setattr(replica_step, "compiled",
                         lambda model: torch.compile(model, backend=counter))
     torch._dynamo.reset()
     fitted("train.compile=true", f"train.steps={steps}", "dataset.steps.1.drop_remainder=true")
@@ -241,12 +241,12 @@ def test_clearing_grads_skips_torchs_wrapper_but_keeps_an_optimizers_own_zero_gr
     layer(torch.ones(1, 3)).sum().backward()
     plain = torch.optim.SGD(layer.parameters(), lr=0.1)
     monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", lambda *a, **k: 1 / 0)
-    session_module.clear_grads(plain)  # does not go through the (patched) method
+    replica_step.clear_grads(plain)  # does not go through the (patched) method
     assert all(p.grad is None for p in layer.parameters())
     monkeypatch.undo()
     layer(torch.ones(1, 3)).sum().backward()
     own = _CountingSGD(layer.parameters(), lr=0.1)
-    session_module.clear_grads(own)
+    replica_step.clear_grads(own)
     assert _CountingSGD.calls == 1 and all(p.grad is None for p in layer.parameters())
 
 
@@ -255,7 +255,7 @@ def test_clearing_grads_keeps_a_zero_grad_patched_onto_the_optimizer():
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     calls = []
     opt.zero_grad = lambda set_to_none=True: calls.append(set_to_none)  # as Apex does
-    session_module.clear_grads(opt)
+    replica_step.clear_grads(opt)
     assert calls == [True]
 
 
@@ -273,18 +273,18 @@ def test_a_replica_step_calls_torch_for_the_model_and_loss_only(monkeypatch):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             calls[getattr(func, "__name__", str(func))] += 1
             return func(*args, **(kwargs or {}))
-    real = Session._replica_step
+    real = replica_step.ReplicaStep.__call__
 
     def counted(self, *args):
         with Count():
             return real(self, *args)
-    monkeypatch.setattr(Session, "_replica_step", counted)
+    monkeypatch.setattr(replica_step.ReplicaStep, "__call__", counted)
     session = fitted("train.steps=1", "train.log_every=1")
     assert calls["tensor"] == calls["float"] == calls["to"] == 0, calls
     assert calls["argmax"] == calls["__eq__"] == calls["sum"] == 0, calls  # counted after
     assert calls["cross_entropy"] == calls["div"] == 2  # per replica
-    assert session.last_log.replicas[0].examples == 8  # counted all the same
-    assert session.last_log.accuracy is not None
+    assert session.state.last_log.replicas[0].examples == 8  # counted all the same
+    assert session.state.last_log.accuracy is not None
 
 
 @pytest.mark.parametrize("steps, accumulate", [(6, 1), (3, 2)])
@@ -298,9 +298,9 @@ def test_the_training_accuracy_counts_the_models_correct_predictions(steps, accu
     with torch.no_grad():
         output = session.model(session.data.features[indices])
     correct = int((output.argmax(1) == session.data.targets[indices]).sum())
-    assert session.totals.examples == len(indices) == 90
-    assert session.totals.correct == correct
-    assert session.last_log.accuracy == pytest.approx(correct / 90)
+    assert session.state.totals.examples == len(indices) == 90
+    assert session.state.totals.correct == correct
+    assert session.state.last_log.accuracy == pytest.approx(correct / 90)
 
 
 def _replica_outputs(sizes, classes=4):

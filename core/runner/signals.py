@@ -1,0 +1,40 @@
+"""Ctrl-C and SIGTERM while training: the first asks for a clean stop (a checkpoint is
+saved), a second aborts. The handlers are the process's only while a run (or a launched
+job) is in progress, and the previous ones come back after it."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+__all__ = ["Aborted", "stop_on_signals"]
+
+
+class Aborted(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM while training: stop at once, without saving (a
+    first one outside training is a plain KeyboardInterrupt)."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event, received: list):
+    """While training, the first Ctrl-C or SIGTERM (a scheduler's preemption) asks for a
+    clean stop, which saves a checkpoint; a second one aborts. ``received`` gets the
+    signals' names. Outside the main thread (where Python delivers signals) it does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        received.append(signal.Signals(signum).name)
+        if stop.is_set():
+            raise Aborted
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,0 +1,93 @@
+"""Where training is and what it has seen so far: the loop's state as one object.
+
+:class:`TrainState` is checkpointed whole (``state_dict``/``load_state_dict``), so that a
+resumed run continues the step count, the data position, the loss curve and the tallies
+of an uninterrupted one and logs what it would have logged.
+
+Example::
+
+    state = TrainState(replicas=2)
+    state.record(per_replica, correct, loss=0.7, phases=phases, batches=1)
+    log = state.log(total_steps=100, learning_rate=0.01, devices=["CPU:0", "CPU:1"],
+                    classify=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .events import ReplicaStats, StepLog
+from .objectives import PendingCorrect
+from .tally import Tally
+
+__all__ = ["TrainState"]
+
+
+class TrainState:
+    """The step, epoch and position in the pass (batches consumed), every step's loss,
+    and the tallies: the whole run's, the current log window's, and this process's
+    (``session``: its throughput, not checkpointed)."""
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+        self.step = self.epoch = self.position = 0
+        self.losses: list[float] = []
+        self.totals, self.window = Tally(replicas), Tally(replicas)
+        self.session = Tally(replicas)
+        self.last_log: StepLog | None = None
+        self.pending_correct = PendingCorrect()  # counted into the tallies when read
+
+    def record(self, per_replica: Sequence[dict], correct: Any, loss: float,
+               phases: dict[str, float], batches: int) -> None:
+        """A finished optimizer step over ``batches`` batches of the pass."""
+        self.step += 1
+        self.position += batches
+        self.losses.append(loss)
+        for tally in (self.totals, self.window, self.session):
+            tally.add(per_replica, phases)
+        self.pending_correct.add(correct)
+
+    def count_correct(self) -> int:
+        """Count the correct predictions waiting since the last count into the tallies
+        (before they are read: a log line, a record, a checkpoint); returns them."""
+        correct = self.pending_correct.take()
+        for tally in (self.totals, self.window, self.session):
+            tally.correct += correct
+        return correct
+
+    def log(self, total_steps: int, learning_rate: float, devices: Sequence[str],
+            classify: bool) -> StepLog:
+        """The log window's :class:`StepLog`; a new window starts."""
+        self.count_correct()
+        window = self.window
+        self.last_log = StepLog(
+            step=self.step, total_steps=total_steps, epoch=self.epoch,
+            loss=window.loss / max(window.examples, 1),
+            accuracy=window.correct / max(window.examples, 1) if classify else None,
+            learning_rate=learning_rate, replicas=window.replica_stats(devices),
+            phases_s=window.mean_phases())
+        self.window = Tally(self.replicas)
+        return self.last_log
+
+    def state_dict(self) -> dict:
+        self.count_correct()  # the tallies are saved: their counts must be in
+        return {"step": self.step, "epoch": self.epoch, "position": self.position,
+                "losses": torch.tensor(self.losses, dtype=torch.float64),
+                "totals": self.totals.state_dict(), "window": self.window.state_dict(),
+                "last_log": self.last_log.to_dict() if self.last_log else None}
+
+    def load_state_dict(self, payload: dict) -> None:
+        self.step, self.epoch, self.position = payload["step"], payload["epoch"], \
+            payload["position"]
+        self.losses = payload["losses"].tolist()
+        self.totals.load_state_dict(payload["totals"])
+        self.window.load_state_dict(payload["window"])
+        last = payload.get("last_log")
+        self.last_log = _step_log_from(dict(last)) if last else None
+
+
+def _step_log_from(data: dict) -> StepLog:
+    replicas = [ReplicaStats(**r) for r in data.pop("replicas")]
+    return StepLog(replicas=replicas, **data)
