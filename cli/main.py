@@ -14,11 +14,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if not os.environ.get("CSRUN_TRACEBACK"):
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
-if __name__ == "__main__":  # `python -m csrun.cli.main` (launch's tasks): as the script,
-    import sys  # noqa: E402 - which handles Ctrl-C before torch is imported
-    from csrun.cli.entry import main as _entry  # noqa: E402
-    sys.exit(_entry())
-
 import importlib.metadata  # noqa: E402
 from typing import Annotated, Optional  # noqa: E402
 
@@ -52,9 +47,9 @@ def _root(version: Annotated[Optional[bool], typer.Option(
 
 
 def main() -> None:
-    """Console-script entry point (``csrun``)."""
+    """Run the command line (the console script, :mod:`csrun.cli.entry`, guards it)."""
     app()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m csrun.cli.main`; `python -m csrun.cli` (the
+    main()                  # console script's entry) also handles an early Ctrl-C

@@ -22,7 +22,7 @@ class ClusterTasks:
         environ = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
         environ.update(env or {}, TF_CONFIG=json.dumps(
             {"cluster": self.cluster, "task": {"type": job, "index": index}}))
-        argv = [sys.executable, "-m", "csrun.cli.main", "train", "c.yaml", *overrides,
+        argv = [sys.executable, "-m", "csrun.cli", "train", "c.yaml", *overrides,
                 "--json", f"{name}.json"]
         proc = subprocess.Popen(place(job, index, argv) if place else argv, cwd=self.folder,
                                 env=environ, stdout=open(self.folder / f"{name}.log", "w"),

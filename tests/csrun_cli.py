@@ -12,4 +12,4 @@ def csrun_command() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("csrun")
-    return [found] if found else [sys.executable, "-m", "csrun.cli.main"]
+    return [found] if found else [sys.executable, "-m", "csrun.cli"]

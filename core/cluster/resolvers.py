@@ -21,6 +21,8 @@ import json
 import os
 from typing import Mapping
 
+from ..config.addresses import is_address
+
 __all__ = ["ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
            "TFConfigClusterResolver", "ClusterError",
            "ClusterProblem", "TFConfig", "parse_tf_config", "cluster_spec_problems",
@@ -64,14 +66,6 @@ class ClusterError(ValueError):
 
 def _error(message: str, path: tuple = (), hint: str | None = None) -> ClusterError:
     return ClusterError([ClusterProblem(path, message, hint)])
-
-
-def is_address(value: object) -> bool:
-    """``"host:port"`` with a port in 1..65535 (the form of every task address)."""
-    if not isinstance(value, str):
-        return False
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
 
 
 def cluster_spec_problems(cluster: object) -> list[ClusterProblem]:

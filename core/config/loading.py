@@ -1,9 +1,9 @@
-"""Reading a config: the YAML file (with ``file:line`` for every problem), overrides, the
-schema, and the cluster checks; every problem of one pass reported together.
+"""Reading a config: the YAML file (with ``file:line`` for every problem), overrides and
+the schema; every problem of one pass reported together.
 
-The runner's preflight adds the checks against this machine and its data through
-``checks`` (:func:`csrun.core.runner.preflight.load_config`): this layer knows nothing of
-data or models.
+The runner's preflight adds the checks against this machine, its data and its cluster
+through ``checks`` (:func:`csrun.core.runner.preflight.load_config`): this layer, the
+bottom one, knows nothing of devices, data, models or clusters.
 
 Example::
 
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pathlib
 import typing
-from typing import Annotated, Any, Callable, Mapping, Sequence, Union
+from typing import Annotated, Any, Callable, Sequence, Union
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .cluster import cluster_problems
 from .overrides import apply_overrides, key_path
 from .problems import ConfigError, Problem, closest, did_you_mean
 from .safe_yaml import MAX_BYTES, YamlDocument, load_yaml
@@ -33,15 +32,12 @@ Check = Callable[[dict], list]
 
 
 def read_config(path: str | pathlib.Path, overrides: Sequence[str] = (), *,
-                environ: Mapping[str, str] | None = None, checks: Sequence[Check] = ()
-                ) -> RunConfig:
+                checks: Sequence[Check] = ()) -> RunConfig:
     """Read, override and validate a config file, then run ``checks`` on its valid sections.
 
     Args:
       path: the YAML file.
       overrides: ``key=value`` strings (dotted keys, YAML values); they win over the file.
-      environ: where ``TF_CONFIG`` is read (``strategy.kind: parameter_server``);
-        default ``os.environ``.
       checks: more checks of the valid sections, whose problems are located in the file
         like the schema's (the runner passes its preflight).
 
@@ -52,8 +48,7 @@ def read_config(path: str | pathlib.Path, overrides: Sequence[str] = (), *,
       ConfigError: every problem found, each with its dotted path, ``file:line`` and hint.
     """
     path = pathlib.Path(path)
-    return read_config_text(_read_config(path), str(path), overrides, environ=environ,
-                            checks=checks)
+    return read_config_text(_read_config(path), str(path), overrides, checks=checks)
 
 
 def _read_config(path: pathlib.Path) -> str:
@@ -88,8 +83,7 @@ def _read_config(path: pathlib.Path) -> str:
 
 
 def read_config_text(text: str, file: str | None = None, overrides: Sequence[str] = (),
-                     *, environ: Mapping[str, str] | None = None,
-                     checks: Sequence[Check] = ()) -> RunConfig:
+                     *, checks: Sequence[Check] = ()) -> RunConfig:
     """:func:`read_config` for YAML text (``file`` names it in messages)."""
     document = load_yaml(text, file)
     data = document.data if document.data is not None else {}
@@ -104,8 +98,7 @@ def read_config_text(text: str, file: str | None = None, overrides: Sequence[str
     _resolve_paths(sections, file, origins)
     reported = {p.path for p in problems}
     found = [p for check in checks for p in check(sections)]
-    problems += [p for p in found + cluster_problems(sections, environ)
-                 if not _explained(p.path, reported)]
+    problems += [p for p in found if not _explained(p.path, reported)]
     if problems:
         raise ConfigError(_locate(p, document, origins) for p in problems)
     return RunConfig.model_construct(**sections)

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue
 
-from ..cluster.resolvers import is_address
+from .addresses import is_address
 
 __all__ = [
     "RunConfig", "StrategyConfig", "CentralStorageConfig", "ParameterServerConfig",

@@ -1,7 +1,7 @@
 """One task of a parameter-server job, as ``csrun train`` runs it.
 
 Every task runs the same config; its cluster and task come from ``strategy.cluster`` /
-``strategy.task`` or ``TF_CONFIG`` (:mod:`csrun.core.config.cluster`), and its role from
+``strategy.task`` or ``TF_CONFIG`` (:mod:`csrun.core.runner.preflight.cluster`), and its role from
 the ``ParameterServerStrategy`` built from them:
 
 * a **ps** task serves its share of the variables until the chief ends the job
@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config.cluster import cluster_resolver
+from .preflight.cluster import cluster_resolver
 from ..config.problems import ConfigError, Problem
 from .events import Notice, RunResult
 from ..cluster.heartbeat import ChiefGone

@@ -101,7 +101,7 @@ class LaunchPlan:
         return tf_config(self.cluster, task)
 
     def command(self, task: str) -> list[str]:
-        command = [sys.executable, "-m", "csrun.cli.main", "train", self.config,
+        command = [sys.executable, "-m", "csrun.cli", "train", self.config,
                    *self.overrides]
         if self.resume and not task.startswith("ps"):
             command.append("--resume")

@@ -1,5 +1,6 @@
 """Optimizers named in a config (a ``torch.optim`` class or your own), with parameter
-groups by name; schedules are :mod:`.schedules`.
+groups by name; schedules are :mod:`.schedules`; the preflight check of both is
+:mod:`csrun.core.runner.preflight.optimizer`.
 
 Example::
 
@@ -21,7 +22,7 @@ from ..config.targets import import_object, lookup_class, parameters_hint
 from .schedules import build_schedule
 
 __all__ = ["optimizer_names", "optimizer_class", "param_groups", "unmatched_groups",
-           "build_optimizer", "build_schedule", "check_optimizer"]
+           "build_optimizer", "build_schedule"]
 
 
 def optimizer_names() -> list[str]:
@@ -102,25 +103,3 @@ def _check_group_options(config: "OptimizerConfig", optimizer) -> None:
                 if key not in optimizer.defaults]
     if problems:
         raise ConfigError(problems)
-
-
-def check_optimizer(config: "OptimizerConfig") -> list[Problem]:
-    """Build the optimizer and schedule on dummy parameters (one per group) to catch every
-    mistake now."""
-    named = [("_default", torch.zeros(1, requires_grad=True))] + \
-        [(f"group{i}", torch.zeros(1, requires_grad=True))
-         for i in range(len(config.param_groups))]
-    dummy = config.model_copy(update={"param_groups": [
-        g.model_copy(update={"match": f"^group{i}$"}) for i, g in enumerate(config.param_groups)]})
-    try:
-        optimizer = build_optimizer(dummy, named)
-    except ConfigError as exc:
-        problems = exc.problems
-        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)
-    else:
-        problems = []
-    try:
-        build_schedule(config.schedule, optimizer)
-    except ConfigError as exc:
-        problems += exc.problems
-    return problems

@@ -18,13 +18,11 @@ import threading
 import warnings
 from typing import Any, Callable, Sequence
 
-from ..config.problems import ConfigError, Problem
+from ..config.problems import ConfigError
 from ..config.schema import RunConfig
 from .cluster_role import run_task
 from .events import Notice, RunResult
-from .metrics import tensorboard_available
-from .plots import plot_available
-from .preflight import check_outside, check_writable, load_config
+from .preflight import check_run_options, load_config
 from .session import Outputs, Session, run_session
 from .signals import stop_on_signals
 
@@ -92,20 +90,9 @@ def task_name(result: Any) -> str:
 
 def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
     # output paths are checked now: a bad one found after hours of training loses them
-    problems = check_writable(outputs.metrics, "--metrics") + \
-        check_writable(outputs.plot, "--plot") + \
-        check_writable(outputs.tensorboard, "--tensorboard", directory=True)
-    problems += check_outside(config.checkpoint.dir, {
-        "--json": outputs.result, "--metrics": outputs.metrics, "--plot": outputs.plot})
-    if resume and not config.checkpoint.dir:
-        problems.append(Problem("checkpoint.dir", "--resume needs a checkpoint directory",
-                                "set checkpoint.dir in the config or as an override"))
-    if outputs.plot and not plot_available():
-        problems.append(Problem("--plot", "needs matplotlib, which is not installed",
-                                "pip install 'csrun[plot]'"))
-    if outputs.tensorboard and not tensorboard_available():
-        problems.append(Problem("--tensorboard", "needs tensorboard, which is not "
-                                "installed", "pip install 'csrun[tensorboard]'"))
+    problems = check_run_options(config.checkpoint.dir, resume, result=outputs.result,
+                                 metrics=outputs.metrics, plot=outputs.plot,
+                                 tensorboard=outputs.tensorboard)
     if problems:
         raise ConfigError(problems)
 

@@ -52,7 +52,7 @@ class Task:
         self.metrics = stem.with_suffix(".jsonl")
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "csrun.cli.main", "train", str(config), *overrides,
+                [sys.executable, "-m", "csrun.cli", "train", str(config), *overrides,
                  "--metrics", str(self.metrics)], cwd=folder, env=env, stdout=out,
                 stderr=err)
 

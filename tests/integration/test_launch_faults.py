@@ -44,7 +44,7 @@ class Launch:
         env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
         self.out = open(folder / "launch.out", "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "csrun.cli.main", "launch", "c.yaml", *args,
+            [sys.executable, "-m", "csrun.cli", "launch", "c.yaml", *args,
              "--json", "r.json", "--logs", "logs"], cwd=folder, env=env,
             stdout=self.out, stderr=subprocess.STDOUT)
 

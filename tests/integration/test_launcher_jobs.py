@@ -27,7 +27,7 @@ model: {kind: mlp, hidden: [16]}
 optimizer: {name: SGD, lr: 0.05, kwargs: {momentum: 0.9}}
 train: {steps: 40, log_every: 20}
 """
-TRAIN = [sys.executable, "-m", "csrun.cli.main", "train", "c.yaml", "--json", "r-{task}.json"]
+TRAIN = [sys.executable, "-m", "csrun.cli", "train", "c.yaml", "--json", "r-{task}.json"]
 
 
 def environment(**extra: str) -> dict:

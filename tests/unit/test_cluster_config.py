@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from csrun.core.config.cluster import TF_CONFIG_ORIGIN, cluster_resolver
+from csrun.core.runner.preflight.cluster import TF_CONFIG_ORIGIN, cluster_resolver
 from csrun.core.runner.preflight import load_config_text
 from csrun.core.config.problems import ConfigError
 

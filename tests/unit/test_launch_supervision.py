@@ -129,7 +129,7 @@ def test_plan_gives_each_task_its_tf_config_and_command(tmp_path):
     assert json.loads(made.tf_config("worker:1")) == {
         "cluster": {**CLUSTER, "chief": ["127.0.0.1:4"]}, "task": {"type": "worker",
                                                                     "index": 1}}
-    assert made.command("ps:0")[-4:] == ["csrun.cli.main", "train", "c.yaml", "train.steps=5"]
+    assert made.command("ps:0")[-4:] == ["csrun.cli", "train", "c.yaml", "train.steps=5"]
     assert made.command("worker:1")[-1] == "--resume"
     assert made.command("chief:0")[-3:] == ["--resume", "--json", str(made.result_path)]
 

@@ -94,7 +94,7 @@ def test_config_from_torchrun_needs_num_ps_and_no_tf_config():
 
 
 def test_precedence_tf_config_then_config_then_torchrun_then_slurm():
-    from csrun.core.config.cluster import cluster_resolver
+    from csrun.core.runner.preflight.cluster import cluster_resolver
     tf = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"], "ps": ["b:2"]},
                                    "task": {"type": "worker", "index": 0}})}
     strategy = load(TORCHRUN, ["strategy.num_ps=1"]).strategy

@@ -14,7 +14,7 @@ import pytest
 CORE = pathlib.Path(__file__).resolve().parents[2] / "core"
 CLI = CORE.parent / "cli"
 # bottom to top: a module may import from its own layer and the ones before it
-LAYERS = ("distribute", "cluster", "config", "data", "runner")
+LAYERS = ("config", "distribute", "cluster", "data", "runner")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -61,6 +61,14 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(path, modules) for name, path in files.items()}
 
 
+def _cli_graph() -> dict[str, set[str]]:
+    """The CLI's modules and what they import of the CLI and of csrun.core."""
+    files = {f"csrun.cli.{p.stem}" if p.stem != "__init__" else "csrun.cli": p
+             for p in CLI.glob("*.py")}
+    modules = set(files) | set(_graph())
+    return {name: _imports(path, modules, name) for name, path in files.items()}
+
+
 def _layer(module: str) -> int | None:
     parts = module.split(".")
     return LAYERS.index(parts[2]) if len(parts) > 2 and parts[2] in LAYERS else None
@@ -101,6 +109,19 @@ def test_no_import_circle():
     for name in graph:
         graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_no_import_circle_in_the_cli():
+    graph = {name: {t for t in targets if t.startswith("csrun.cli.")}
+             for name, targets in _cli_graph().items() if name != "csrun.cli"}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_config_layer_imports_nothing_of_csrun_but_itself():
+    """The schema is the bottom: everything may read a config, it reads nothing."""
+    outside = [f"{m} -> {t}" for m, targets in _graph().items() if _layer(m) == 0
+               for t in sorted(targets) if _layer(t) != 0]
+    assert not outside, "\n".join(outside)
 
 
 def test_imports_point_down_only():

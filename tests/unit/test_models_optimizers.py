@@ -5,7 +5,8 @@ import torch
 
 from csrun.core.config.schema import OptimizerConfig
 from csrun.core.runner.models import build_model, check_model, make_loss
-from csrun.core.runner.optimizers import build_optimizer, check_optimizer
+from csrun.core.runner.optimizers import build_optimizer
+from csrun.core.runner.preflight.optimizer import check_optimizer
 from csrun.core.config.problems import ConfigError
 from pydantic import TypeAdapter
 

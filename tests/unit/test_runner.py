@@ -130,7 +130,7 @@ def test_resume_refuses_another_config_and_starts_fresh_without_checkpoints(tmp_
 def test_options_that_cannot_work_are_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match="--resume needs a checkpoint directory"):
         run(resume=True)
-    monkeypatch.setattr("csrun.core.runner.train.plot_available", lambda: False)
+    monkeypatch.setattr("csrun.core.runner.preflight.outputs.plot_available", lambda: False)
     with pytest.raises(ConfigError, match="matplotlib"):
         run(outputs=Outputs(plot="x.png"))
 

@@ -24,12 +24,12 @@ import json
 import os
 from typing import Any, Mapping
 
-from ..cluster.launchers import launcher_cluster
-from ..cluster.resolvers import (TF_CONFIG_SHAPE, ClusterError, ClusterProblem, ClusterSpec,
-                                 SimpleClusterResolver, cluster_spec_problems,
-                                 parse_tf_config, task_problems, training_problems)
-from ..distribute.devices import DeviceError, resolve_devices
-from .problems import ConfigError, Problem
+from ...cluster.launchers import launcher_cluster
+from ...cluster.resolvers import (TF_CONFIG_SHAPE, ClusterError, ClusterProblem, ClusterSpec,
+                                  SimpleClusterResolver, cluster_spec_problems,
+                                  parse_tf_config, task_problems, training_problems)
+from ...config.problems import ConfigError, Problem
+from ...distribute.devices import DeviceError, resolve_devices
 
 __all__ = ["cluster_problems", "cluster_resolver", "TF_CONFIG_ORIGIN", "TRAINING_JOBS"]
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config.problems import Problem
-from ..distribute.devices import DeviceError, default_compute_devices, resolve_device
+from ...config.problems import Problem
+from .devices import compute_devices
+from .outputs import check_needs_checkpoint_dir
 
-__all__ = ["check_training"]
+__all__ = ["check_training", "check_length"]
 
 _NOT_IN_PS = {  # field: why a parameter-server job cannot have it
     "train.grad_clip_norm": "each worker holds only its part of the step's gradient",
@@ -43,12 +44,7 @@ def check_training(sections: dict[str, Any]) -> list[Problem]:
         problems += _evaluation(train, checkpoint, dataset)
         if train.precision == "fp16" and strategy is not None:
             problems += _fp16(strategy)
-    if checkpoint is not None and not checkpoint.dir:
-        for field in ("keep_best", "export"):
-            if getattr(checkpoint, field) is not None:
-                problems.append(Problem(f"checkpoint.{field}", "needs checkpoint.dir",
-                                        "set checkpoint.dir, e.g. runs/mine"))
-    return problems
+    return problems + check_needs_checkpoint_dir(checkpoint)
 
 
 def _value(sections: dict, dotted: str) -> Any:
@@ -91,13 +87,18 @@ def _evaluation(train, checkpoint, dataset) -> list[Problem]:
 
 def _fp16(strategy) -> list[Problem]:
     """fp16 needs GPU replicas (and its gradient scaler a GPU parameter device)."""
-    try:
-        devices = [resolve_device(d) for d in strategy.compute_devices] \
-            if strategy.compute_devices else default_compute_devices()
-    except (DeviceError, ValueError):  # reported by check_devices
-        return []
-    if all(d.is_gpu for d in devices):
+    devices = compute_devices(strategy)
+    if devices is None or all(d.is_gpu for d in devices):  # None: check_devices reports it
         return []
     return [Problem("train.precision", "fp16 needs GPU replicas; this run computes on "
                     f"{', '.join(d.short_name for d in devices)}",
                     "use precision: bf16 on CPU (no gradient scaler needed), or fp32")]
+
+
+def check_length(train) -> list[Problem]:
+    """How long to train: exactly one of ``steps`` and ``epochs``."""
+    if train is None or (train.steps is None) != (train.epochs is None):
+        return []
+    return [Problem("train", "give exactly one of steps and epochs" +
+                    (" (both are set)" if train.steps else ""),
+                    "e.g. train.epochs=10 or train.steps=500")]

@@ -15,15 +15,30 @@ from typing import Any
 
 import torch
 
-from ..config.problems import ConfigError, ConfigNotice, Problem
-from ..config.user_code import UserCodeError, describe_failure
-from ..distribute.device_lib import memory_bytes
-from ..distribute.devices import resolve_device
-from ..distribute.values import map_structure
-from .models import build_model, check_model, model_bytes, resolve_loss
-from .objectives import NamedLoss, is_loss_function, make_objective
+from ...config.problems import ConfigError, ConfigNotice, Problem
+from ...config.user_code import UserCodeError, describe_failure
+from ...data.imported import Collate, ImportedData, first_batch
+from ...distribute.device_lib import memory_bytes
+from ...distribute.devices import default_compute_devices, default_parameter_device, resolve_device
+from ...distribute.values import map_structure
+from ..models import build_model, check_model, model_bytes, resolve_loss
+from ..objectives import NamedLoss, is_loss_function, make_objective
+from .devices import gib
 
-__all__ = ["check_fit"]
+__all__ = ["check_model_on_data", "check_fit", "check_model_memory"]
+
+
+def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
+    """The model and its loss on a real batch of 2 examples (on the meta device first),
+    then its memory on the parameter device."""
+    if isinstance(data, ImportedData):
+        try:
+            sample = first_batch(data, Collate(dataset.collate), 2)
+        except ConfigError as exc:
+            return exc.problems
+    else:
+        sample = (data.features[:2], data.targets[:2])
+    return check_fit(model, data, sample) or check_model_memory(model, data, strategy)
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
@@ -105,3 +120,26 @@ def _check_on_cpu(config, data, sample: Any, reason: str) -> list[Problem]:
     warnings.warn(ConfigNotice(f"{note}; checked on CPU with one real batch of 2 examples "
                                "instead"), stacklevel=2)
     return []
+
+
+def check_model_memory(model, data, strategy) -> list[Problem]:
+    """The parameters and their gradients fit in the parameter device's memory: the
+    least central storage needs (an optimizer keeps more)."""
+    if strategy is None:
+        return []
+    try:
+        device = resolve_device(strategy.parameter_device) if strategy.parameter_device \
+            else default_parameter_device(default_compute_devices())[0]
+    except ValueError:  # reported by check_devices
+        return []
+    needed, available = 2 * model_bytes(model, data.feature_shape, data.outputs), \
+        memory_bytes(device)
+    if available is None or needed <= available:
+        return []
+    # where the size comes from: the layer widths, the constructor's arguments, the data
+    field = {"mlp": "model.hidden", "import": "model.kwargs"}.get(model.kind, "model")
+    return [Problem(field, f"the model's parameters and gradients need {gib(needed)}, "
+                    f"more than the {gib(available)} of the parameter device "
+                    f"{device.short_name} (the data asks for {data.outputs} outputs)",
+                    "make the model smaller (hidden, channels), or check the class "
+                    "labels: the classes are the largest label + 1")]
