@@ -168,13 +168,12 @@ def test_ctrl_c_while_replicas_beside_the_team_run_is_raised_after_them(two_thre
 def test_ctrl_c_before_the_region_starts_stops_the_run(two_threads, monkeypatch):
     # A signal landing in the team's own code before any member started: nothing runs,
     # so nothing may be waited for (the run then hung until a second Ctrl-C).
-    from csrun.core.distribute import openmp_team
     strategy = _strategy()
     strategy.run(lambda: None)
 
-    def interrupted(_member):
+    def interrupted(_member, _size):
         raise KeyboardInterrupt
-    monkeypatch.setattr(openmp_team, "_MEMBER", interrupted)
+    monkeypatch.setattr(team.omp, "parallel", interrupted)
     with pytest.raises(KeyboardInterrupt):
         strategy.run(lambda: time.sleep(0.01))
     monkeypatch.undo()
@@ -217,3 +216,4 @@ def test_replicas_beyond_the_team_run_beside_it_and_meet_it(two_threads):
         return torch.tensor([float(team.in_parallel()), float(total)])
     rows = [v.tolist() for v in strategy.experimental_local_results(strategy.run(where))]
     assert rows == [[1.0, 4.0], [1.0, 4.0], [0.0, 4.0], [0.0, 4.0]]
+
