@@ -52,7 +52,7 @@ from torch.optim import optimizer as optim_module
 
 from . import context, sync_batch_norm, torch_internals
 from .broadcast import DeviceMirror, finish_grads
-from .torch_internals import set_tensor_dict, tensor_dict, tensor_version
+from .torch_internals import plain_tensor_dict, set_tensor_dict, tensor_dict, tensor_version
 from .values import flatten
 from .variables import VariableAggregation
 
@@ -288,7 +288,7 @@ class ParameterStore:
             for kind in _KINDS:
                 current = tensor_dict(module, kind)
                 if isinstance(current, ServedDict) and current.store is self:
-                    set_tensor_dict(module, kind, dict(dict.items(current)))
+                    set_tensor_dict(module, kind, plain_tensor_dict(dict.items(current)))
                     owned = True
             if owned:
                 sync_batch_norm.uninstall(module)

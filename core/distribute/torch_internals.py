@@ -5,9 +5,9 @@ collects their gradients at the end of a backward and runs replicas as torch's o
 team. Some of that has no public torch API, or only one too slow for a path taken on every
 op or every parameter read. Those uses live here, and nowhere else in csrun (a test reads
 the rest of the code and fails naming the file and line of any private use outside this
-module), so that a torch upgrade has one place to look at, and
-``tests/unit/test_torch_internals.py`` fails naming the function and the torch version
-when torch renamed or changed one of them. docs/torch-internals.md lists them.
+module), so that a torch upgrade has one place to look at: ``test_torch_internals.py``
+fails naming the name and the torch version when torch renamed or changed what it stands
+for. docs/torch-internals.md lists them.
 
 Hot paths bind a name from here at import (``_depth = torch_internals.function_mode_depth``):
 most of these are torch's own objects under a csrun name, so a call costs what calling
@@ -28,11 +28,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
     "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
-    "tensor_dict", "set_tensor_dict", "tensor_version", "has_post_accumulate_grad_hook",
-    "current_backward_id", "queue_backward_callback", "foreach_add_", "pytree_leaves",
-    "compiler_in_use", "is_batch_norm", "check_batch_norm_input", "generator_state_bytes",
-    "OpOverload", "op_takes_generator", "PRIVATE_SAMPLERS", "uses_openmp",
-    "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
+    "tensor_dict", "set_tensor_dict", "plain_tensor_dict", "tensor_version",
+    "has_post_accumulate_grad_hook", "current_backward_id", "queue_backward_callback",
+    "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
+    "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
+    "PRIVATE_SAMPLERS", "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
 ]
 
 
@@ -74,6 +74,13 @@ def set_tensor_dict(module: torch.nn.Module, kind: str, mapping: dict) -> None:
     module.__dict__[_DICTS[kind]] = mapping
 
 
+def plain_tensor_dict(items) -> dict:
+    """``items`` (a dict or its items) in the kind of dict torch's own modules hold
+    (``dict``; an ``OrderedDict`` in older torch, 2.3 included): a module released by
+    csrun gets back what torch made."""
+    return type(torch.nn.Module().__dict__["_parameters"])(items)
+
+
 # -- autograd -------------------------------------------------------------------------------
 # A tensor's version counter (bumped by every in-place write): how csrun tells that a
 # buffer or a mirrored parameter changed without comparing values. No public accessor;
@@ -113,10 +120,11 @@ pytree_leaves: Callable = _pytree.tree_leaves
 
 
 def compiler_in_use() -> bool:
-    """Whether torch.compile has been used in this process: it imports torch._dynamo.
-    csrun wraps its compiled-read fallback in ``torch.compiler.disable`` only then, since
-    importing torch's compiler costs ~1.7 s and sets process-wide state (an environment
-    variable, warning filters) that a process that never compiles should not take."""
+    """Whether torch's compiler (torch._dynamo) is loaded: ``torch.compile`` loads it
+    (so does torch.optim's first optimizer). csrun wraps its compiled-read fallback in
+    ``torch.compiler.disable`` only then: importing the compiler costs ~1.7 s and sets
+    process-wide state (an environment variable, warning filters), which importing csrun
+    must not take."""
     return "torch._dynamo" in sys.modules
 
 
@@ -135,10 +143,11 @@ def check_batch_norm_input(module: torch.nn.Module, input: torch.Tensor) -> None
 
 
 # -- random numbers ---------------------------------------------------------------------
-def generator_state_bytes(generator: torch.Generator) -> bytes:
-    """``generator``'s state as bytes to compare, copied straight from the state
-    tensor's memory: ``.numpy().tobytes()`` took twice as long (5 µs against 2.5), a tenth
-    of an empty run's cost. Relies on the state being a contiguous uint8 tensor."""
+def generator_state_bytes(generator: torch.Generator = torch.default_generator) -> bytes:
+    """``generator``'s state (the global CPU generator's by default) as bytes to compare,
+    copied straight from the state tensor's memory: ``.numpy().tobytes()`` took twice as
+    long (5 µs against 2.5), a tenth of an empty run's cost. Relies on the state being a
+    contiguous uint8 tensor."""
     state = generator.get_state()  # held: its memory is read below
     return ctypes.string_at(state.data_ptr(), state.numel())
 
@@ -207,8 +216,9 @@ def torch_gnu_openmp() -> GnuOpenMP | None:
     Found through ``libtorch_cpu`` itself: a symbol looked up in a library's handle is
     searched in that library and its dependencies as the loader bound them, so
     ``GOMP_parallel`` resolves in torch's libgomp even when another copy (another
-    wheel's, loaded first) is in the process; ``dladdr`` names its file, which is then
-    opened with ``RTLD_NOLOAD``: the copy torch uses, never a second runtime.
+    wheel's, loaded before or after torch) is in the process; ``dladdr`` names its file,
+    which is then opened with ``RTLD_NOLOAD``: the copy torch uses, never a second
+    runtime.
     """
     if not uses_openmp():
         return None
@@ -217,20 +227,26 @@ def torch_gnu_openmp() -> GnuOpenMP | None:
         return None
     try:
         entry = ctypes.CDLL(torch_cpu, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).GOMP_parallel
-        dladdr = ctypes.CDLL(None).dladdr
-    except (OSError, AttributeError):
-        return None
-    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-    info = _DlInfo()
-    if not dladdr(ctypes.cast(entry, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
-        return None
-    path = os.fsdecode(info.dli_fname)
-    if not os.path.basename(path).startswith("libgomp"):  # LLVM's libomp mimics GOMP_*
-        return None
-    try:
+        path = _defining_file(ctypes.cast(entry, ctypes.c_void_p))
+        if path is None or not os.path.basename(path).startswith("libgomp"):
+            return None  # (LLVM's libomp defines GOMP_* too)
         return GnuOpenMP(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), path)
     except (OSError, AttributeError):
         return None
+
+
+def _defining_file(address: ctypes.c_void_p) -> str | None:
+    """The file of the loaded library that ``address`` lies in (``dladdr``: in libc
+    since glibc 2.34, in libdl before)."""
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        dladdr = ctypes.CDLL("libdl.so.2").dladdr
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
 
 
 def _mapped_library(prefix: str) -> str | None:

@@ -130,7 +130,10 @@ def test_tensor_dict_is_what_module_reads_and_writes():
             lambda: layer.register_buffer("extra", torch.ones(1)))
         assert ("items",) in reached(lambda: dict(layer.named_parameters(recurse=False)))
         assert isinstance(ti.tensor_dict(layer, "parameter"), _Recording)
-        assert ti.tensor_dict(nn.Module(), "buffer") == {}
+        fresh = nn.Module()
+        for kind in ("parameter", "buffer"):  # what release_modules gives back
+            plain = ti.plain_tensor_dict({"x": None})
+            assert type(plain) is type(ti.tensor_dict(fresh, kind)) and plain == {"x": None}
 
 
 def test_tensor_version():
@@ -550,9 +553,10 @@ def test_a_model_outlives_its_strategy_as_a_plain_module():
     strategy.run(lambda v: model(v).sum().backward(), args=(x,))
     del strategy, x
     gc.collect()
+    torchs = type(ti.tensor_dict(nn.Module(), "parameter"))
     for module in model.modules():
         for kind in ("parameter", "buffer"):
-            assert type(ti.tensor_dict(module, kind)) is dict
+            assert type(ti.tensor_dict(module, kind)) is torchs
     assert "forward" not in bn.__dict__
     weight = model[0].weight
     model(torch.ones(3, 2)).sum().backward()  # plain torch from now on
@@ -571,7 +575,8 @@ def test_a_dead_strategy_leaves_what_another_adopted_since():
     assert "forward" in bn.__dict__
     del second
     gc.collect()
-    assert type(ti.tensor_dict(bn, "buffer")) is dict and "forward" not in bn.__dict__
+    assert type(ti.tensor_dict(bn, "buffer")) is type(ti.tensor_dict(nn.Module(), "buffer"))
+    assert "forward" not in bn.__dict__
 
 
 def test_uninstall_leaves_a_forward_of_the_users_own():
