@@ -32,9 +32,9 @@ __all__ = ["ReplicaRandom", "RunSeed", "replica_seed", "global_state"]
 _MASK64 = (1 << 64) - 1
 
 
-def global_state() -> bytes:
-    """The global CPU generator's state, as bytes to compare (twice a watched run)."""
-    return torch_internals.generator_state_bytes(torch.default_generator)
+# The global CPU generator's state, as bytes to compare (twice a watched run): bound, so
+# a run pays no call of its own for it.
+global_state = torch_internals.generator_state_bytes
 
 
 class RunSeed:
