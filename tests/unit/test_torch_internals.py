@@ -499,6 +499,7 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
     # in a fresh process: here other tests' strategies may still be alive
     out = _run_python("""
         import gc
+        import threading
         import torch
         import torch.nn.modules.module as M
         import torch.optim.optimizer as O
@@ -533,9 +534,23 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
         print(ours())
         again = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
         print(ours(), train(again))
+
+        def churn():  # strategies made and collected on several threads at once
+            for _ in range(25):
+                cs.CentralStorageStrategy(["CPU:0"], "CPU:0")
+                gc.collect()
+        threads = [threading.Thread(target=churn) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(ours())
+        del again
+        gc.collect()
+        print(ours())
     """)
     assert out.splitlines() == ["[0, 0, 0]", "[1, 1, 1]", "[1, 1, 1]", "[0, 0, 0]",
-                                "[1, 1, 1] [[-1.0, -1.0]]"]
+                                "[1, 1, 1] [[-1.0, -1.0]]", "[1, 1, 1]", "[0, 0, 0]"]
 
 
 def _strategy(n=2):
