@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
 
 __all__ = ["ParameterServerError", "ClusterMismatch", "Stopped"]
@@ -268,13 +269,7 @@ class Channel:
 
     def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta,
                  device=None):
-        prefixed = dist.PrefixStore(prefix, store)
-        if device is None:
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-        else:
-            options = dist.ProcessGroupGloo._Options()
-            options._devices, options._timeout = [device], timeout
-            self._pg = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+        self._pg = gloo_group(dist.PrefixStore(prefix, store), rank, 2, timeout, device)
         self._peer = 1 - rank
         self._lock = threading.Lock()
 

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from . import torch_internals
+
 __all__ = ["DeviceMirror"]
+
+_tensor_version = torch_internals.tensor_version  # bound: read for every tensor on every refresh
 
 
 class _Group:
@@ -38,7 +42,7 @@ class _Group:
         self.stamp = None
 
     def refresh(self) -> None:
-        stamp = [(t._version, t.data_ptr(), t.requires_grad) for t in self.tensors]
+        stamp = [(_tensor_version(t), t.data_ptr(), t.requires_grad) for t in self.tensors]
         if stamp == self.stamp:
             return
         for tensor, leaf in zip(self.tensors, self.leaves):  # frozen or unfrozen since

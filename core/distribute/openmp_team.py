@@ -14,37 +14,36 @@ would spin are the ones doing the work, torch's kernels inside see a parallel re
 run on one thread (as the replica's share asks), and no thread is added to the process,
 so OpenMP's settings for the user's own code stay as they were.
 
-libgomp is reached through ctypes (its ``GOMP_parallel`` entry point, the one GCC emits
-for ``#pragma omp parallel``): torch exposes no way to run Python on its team. Where the
-runtime is another (LLVM's libomp, macOS, Windows) :func:`find_team` returns None and
-replicas run on threads of their own, as before.
+libgomp is reached through :class:`.torch_internals.GnuOpenMP` (its ``GOMP_parallel``
+entry point, the one GCC emits for ``#pragma omp parallel``): torch exposes no way to run
+Python on its team. It is the copy torch's own library was bound to, never another one
+loaded first. Where the runtime is another (LLVM's libomp, macOS, Windows)
+:func:`find_team` returns None and replicas run on threads of their own, as before.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
+import threading
 from typing import Callable, Sequence
 
-import torch
+from . import torch_internals
+from .torch_internals import GnuOpenMP
 
 __all__ = ["OpenMPTeam", "find_team"]
 
-_MEMBER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _UNSET = object()
 _found: object = _UNSET
+_finding = threading.Lock()
+_forks_watched = False
 
 
 class OpenMPTeam:
     """Runs callables as the members of one parallel region of the calling thread."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._lib = lib
-        lib.GOMP_parallel.argtypes = [_MEMBER, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        lib.GOMP_parallel.restype = None
-        for name in ("omp_get_thread_num", "omp_get_num_threads", "omp_in_parallel"):
-            getattr(lib, name).restype = ctypes.c_int
+    def __init__(self, omp: GnuOpenMP):
+        self.omp = omp
 
     def run(self, members: Sequence[Callable[[], None]],
             spare: Callable[[int, Callable[[], None]], None], size: int | None = None
@@ -62,7 +61,7 @@ class OpenMPTeam:
         may stop before it started its own member or handed the others on; the caller
         must not wait for those.
         """
-        lib, errors, count = self._lib, [], len(members)
+        omp, errors, count = self.omp, [], len(members)
         size = count if size is None else min(size, count)
         started = [False] * count
 
@@ -71,9 +70,9 @@ class OpenMPTeam:
             # exception may be raised in the except clause too: hence the second guard.
             try:
                 try:
-                    index = lib.omp_get_thread_num()
+                    index = omp.thread_num()
                     if index == 0:
-                        for missing in range(lib.omp_get_num_threads(), count):
+                        for missing in range(omp.num_threads(), count):
                             started[missing] = True
                             spare(missing, members[missing])
                     if index < count:
@@ -94,10 +93,9 @@ class OpenMPTeam:
             else:
                 previous(unraisable)
         try:  # a signal can also land here, as the region begins or after it ended
-            callback = _MEMBER(member)  # kept alive until the region has ended
             try:
                 sys.unraisablehook = escaped
-                lib.GOMP_parallel(callback, None, size, 0)
+                omp.parallel(member, size)
             finally:
                 sys.unraisablehook = previous
         except BaseException as exc:  # noqa: BLE001 - reported with the members it missed
@@ -106,38 +104,38 @@ class OpenMPTeam:
             (errors[0] if errors else None)
 
     def in_parallel(self) -> bool:
-        return bool(self._lib.omp_in_parallel())
+        return bool(self.omp.in_parallel())
 
 
 def find_team() -> OpenMPTeam | None:
-    """The libgomp that torch loaded, as an :class:`OpenMPTeam`; None where there is none
-    (another OpenMP runtime or platform), or ``CSRUN_OPENMP_TEAM=0`` turns it off."""
+    """The libgomp that torch runs on, as an :class:`OpenMPTeam`; None where there is
+    none (another OpenMP runtime or platform), or ``CSRUN_OPENMP_TEAM=0`` turns it off.
+
+    Found once per process: a child made by ``os.fork`` finds it again (its own
+    environment may turn it off, and it must not act on what its parent found)."""
     global _found
     if _found is _UNSET:
-        _found = _load() if os.environ.get("CSRUN_OPENMP_TEAM", "1") != "0" else None
+        with _finding:
+            if _found is _UNSET:
+                _watch_forks()
+                _found = _load() if os.environ.get("CSRUN_OPENMP_TEAM", "1") != "0" else None
     return _found  # type: ignore[return-value]
 
 
+def _watch_forks() -> None:
+    """Forget the team in a forked child; registered on first use, not at import."""
+    global _forks_watched
+    if not _forks_watched:
+        os.register_at_fork(after_in_child=_forget)
+        _forks_watched = True
+
+
+def _forget() -> None:
+    global _found, _finding
+    _found = _UNSET
+    _finding = threading.Lock()  # the parent may have forked while another thread held it
+
+
 def _load() -> OpenMPTeam | None:
-    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return None
-    path = _loaded_libgomp()
-    if path is None:
-        return None
-    try:  # RTLD_NOLOAD: the copy torch uses, never a second runtime
-        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        return OpenMPTeam(lib)
-    except (OSError, AttributeError):
-        return None
-
-
-def _loaded_libgomp() -> str | None:
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if os.path.basename(path).startswith("libgomp"):
-                    return path
-    except OSError:
-        pass
-    return None
+    omp = torch_internals.torch_gnu_openmp()
+    return None if omp is None else OpenMPTeam(omp)

@@ -2,8 +2,11 @@
 
 **Placement.** While a strategy's scope is active, torch's global registration hooks put
 every parameter and buffer a module registers on the parameter device, whatever device the
-code asked for, and swap the module's ``_parameters``/``_buffers`` dicts for
-:class:`ServedDict`. Optimizer state is created next to its parameter, so it lands there too.
+code asked for, and swap the module's parameter and buffer dicts for :class:`ServedDict`.
+Optimizer state is created next to its parameter, so it lands there too. The hooks are
+installed with the first strategy and removed with the last; when a strategy is garbage
+collected, the modules it adopted get their plain dicts (and BatchNorm its own forward)
+back, and live on as plain torch modules (:func:`serve_while`).
 
 **Serving.** Inside a replica, reading ``module.weight`` (through ``ServedDict``) returns
 that replica's *leaf* for the central parameter:
@@ -44,21 +47,23 @@ import weakref
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
-from . import context, sync_batch_norm
+from . import context, sync_batch_norm, torch_internals
 from .broadcast import DeviceMirror, finish_grads
+from .torch_internals import plain_tensor_dict, set_tensor_dict, tensor_dict, tensor_version
 from .values import flatten
 from .variables import VariableAggregation
 
 __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
-           "get_aggregation", "install_hooks"]
+           "get_aggregation", "serve_while"]
+
+_KINDS = ("parameter", "buffer")
 
 
 class ServedDict(dict):
-    """A module's ``_parameters`` or ``_buffers``: central values, replica views on read.
+    """A module's parameter or buffer dict: central values, replica views on read.
 
     Outside replicas it behaves exactly like the dict it replaced.
     """
@@ -131,16 +136,30 @@ def _compiled_read(serving: "ReplicaServing", owner: ServedDict, name: str, valu
         leaf = serving.store.compiled_leaves[serving.replica_id].get(id(value))
         if leaf is not None:
             return leaf
-    return _serve_outside_graph(serving, owner, name, value)
+    serve = _eager_serve
+    if serve is None:  # torch.compile first used inside this run: disabled here
+        serve = torch.compiler.disable(_serve_outside_graph)
+    return serve(serving, owner, name, value)
 
 
-@torch._dynamo.disable
 def _serve_outside_graph(serving: "ReplicaServing", owner: ServedDict, name: str, value):
-    """Serve eagerly (a graph break): buffers, and a parameter's first compiled read."""
+    """Serve eagerly (a graph break, see :data:`_eager_serve`): buffers, and a
+    parameter's first compiled read."""
     served = serving.serve(owner, name, value)
     if owner.kind == "parameter":
         serving.store.compiled_leaves[serving.replica_id][id(value)] = served
     return served
+
+
+# _serve_outside_graph wrapped by torch.compiler.disable, made by the first run after
+# torch.compile was used (torch_internals.compiler_in_use says why not at import).
+_eager_serve = None
+
+
+def _prepare_for_compile() -> None:
+    global _eager_serve
+    if torch_internals.compiler_in_use():
+        _eager_serve = torch.compiler.disable(_serve_outside_graph)
 
 
 # -- aggregation of buffers -------------------------------------------------------------
@@ -152,9 +171,14 @@ def set_aggregation(module: torch.nn.Module, buffer_name: str, aggregation: Any)
 
     Example: ``set_aggregation(model.counter_owner, "seen", "SUM")``.
     """
-    if buffer_name not in module._buffers:
+    try:
+        if "." in buffer_name:  # the module's own buffers only, as get_aggregation reads
+            raise AttributeError(buffer_name)
+        module.get_buffer(buffer_name)
+    except AttributeError:
+        names = [n for n, _ in module.named_buffers(recurse=False, remove_duplicate=False)]
         raise KeyError(f"{type(module).__name__} has no buffer {buffer_name!r}; "
-                       f"its buffers are {list(module._buffers)}")
+                       f"its buffers are {names}") from None
     _aggregations.setdefault(module, {})[buffer_name] = VariableAggregation.resolve(aggregation)
 
 
@@ -234,6 +258,8 @@ class ParameterStore:
         # ids of the central tensors each alias replica read in the last run: served
         # again before the next run's replicas start (:meth:`_serve_again`)
         self._last_read: list = [() for _ in self.compute_devices]
+        # the modules whose dicts this store swapped (weakly: a deleted model is freed)
+        self._adopted: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -243,14 +269,30 @@ class ParameterStore:
     # -- registration --------------------------------------------------------------------
     def adopt(self, module: torch.nn.Module) -> None:
         """Serve ``module``'s parameters and buffers to replicas from now on."""
-        for attr, kind in (("_parameters", "parameter"), ("_buffers", "buffer")):
-            current = module.__dict__.get(attr)
+        for kind in _KINDS:
+            current = tensor_dict(module, kind)
             if current is None or (isinstance(current, ServedDict) and current.store is self):
                 continue
-            module.__dict__[attr] = ServedDict(dict(current), self, module, kind)
-        for value in dict.values(module._parameters):
+            set_tensor_dict(module, kind, ServedDict(dict(current), self, module, kind))
+            self._adopted.add(module)
+        for value in dict.values(tensor_dict(module, "parameter")):
             if value is not None:
                 self.register_tensor(value)
+
+    def release_modules(self) -> None:
+        """Give the modules this store adopted their plain dicts and their class's
+        BatchNorm forward back (its strategy is gone): those still alive and not adopted
+        by another store since live on as plain torch modules, on the parameter device."""
+        for module in list(self._adopted):
+            owned = False
+            for kind in _KINDS:
+                current = tensor_dict(module, kind)
+                if isinstance(current, ServedDict) and current.store is self:
+                    set_tensor_dict(module, kind, plain_tensor_dict(dict.items(current)))
+                    owned = True
+            if owned:
+                sync_batch_norm.uninstall(module)
+        self._adopted.clear()
 
     def register_tensor(self, tensor: torch.Tensor) -> None:
         """Track a central trainable tensor (for coalesced copies to replica devices)."""
@@ -298,6 +340,8 @@ class ParameterStore:
 
     # -- runs ----------------------------------------------------------------------------
     def begin_run(self) -> list["ReplicaServing"]:
+        if _eager_serve is None:
+            _prepare_for_compile()
         self.flush_pending()
         self._running = True
         servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
@@ -360,7 +404,7 @@ class ParameterStore:
         for tensor in _graph_tensors(outputs, set()):
             node = tensor.grad_fn
             if node is None:  # a leaf that requires grad
-                if hook not in (tensor._post_accumulate_grad_hooks or {}).values():
+                if not torch_internals.has_post_accumulate_grad_hook(tensor, hook):
                     tensor.register_post_accumulate_grad_hook(hook)
                 continue
             marks = node.metadata
@@ -399,10 +443,10 @@ class ParameterStore:
     def flush_after_backward(self) -> None:
         """A leaf got a gradient outside a run: flush when the current backward ends
         (once per backward, however many leaves it reaches)."""
-        task = torch._C._current_graph_task_id()
+        task = torch_internals.current_backward_id()
         if task != self._queued_task:
             self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_queued)
+            torch_internals.queue_backward_callback(self._flush_queued)
 
     def _flush_queued(self) -> None:
         self._queued_task = None
@@ -608,7 +652,7 @@ class ReplicaServing:
         entry = self.buffers.get(key)
         if entry is None:
             copy = value.to(self.device, copy=True)
-            entry = self.buffers[key] = [copy, copy._version, False, owner]
+            entry = self.buffers[key] = [copy, tensor_version(copy), False, owner]
         return entry[0]
 
     def assign(self, owner: ServedDict, name: str, value) -> None:
@@ -632,7 +676,7 @@ class ReplicaServing:
         if entry is None:
             return None
         copy, version, assigned, owner = entry
-        if assigned or copy._version != version:
+        if assigned or tensor_version(copy) != version:
             return copy
         central = dict.__getitem__(owner, key[1])
         return None if torch.equal(copy.to(central.device), central) else copy
@@ -677,7 +721,7 @@ def _contents(value: Any) -> list:
     """A dataclass's fields or a pytree container's leaves; [] for anything else."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    leaves = pytree.tree_leaves(value)
+    leaves = torch_internals.pytree_leaves(value)
     return [] if len(leaves) == 1 and leaves[0] is value else leaves
 
 
@@ -698,7 +742,7 @@ def accumulate(centrals: list, grads: list) -> None:
             existing_p.append(central.grad)
             existing_g.append(grad)
     if existing_p:
-        torch._foreach_add_(existing_p, existing_g)
+        torch_internals.foreach_add_(existing_p, existing_g)
 
 
 # -- placement hooks --------------------------------------------------------------------
@@ -730,27 +774,56 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer):
     return placed if placed is not buffer else None
 
 
-_hooks_installed = False
-_hooks_lock = threading.Lock()
+class _GlobalHooks:
+    """torch's process-wide hooks, held while any strategy lives: the registration hooks
+    that place what modules register in a scope, and the check before every
+    ``optimizer.step()``. torch calls them for every module and optimizer of the process,
+    so they are installed with the first strategy and removed with the last."""
+
+    def __init__(self):
+        # reentrant: a collection on the holding thread may free a strategy, whose
+        # finalizer releases
+        self._lock = threading.RLock()
+        self._users = 0
+        self._handles: list = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._handles = [
+                    nn_module.register_module_parameter_registration_hook(_on_parameter),
+                    nn_module.register_module_buffer_registration_hook(_on_buffer),
+                    optim_module.register_optimizer_step_pre_hook(_before_optimizer_step)]
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                handles, self._handles = self._handles, []
+                for handle in handles:
+                    handle.remove()
 
 
-def install_hooks() -> None:
-    """Register csrun's global registration hooks once (they do nothing outside scopes)."""
-    global _hooks_installed
-    with _hooks_lock:
-        if _hooks_installed:
-            return
-        nn_module.register_module_parameter_registration_hook(_on_parameter)
-        nn_module.register_module_buffer_registration_hook(_on_buffer)
-        optim_module.register_optimizer_step_pre_hook(_before_optimizer_step)
-        _hooks_installed = True
-
-
+_hooks = _GlobalHooks()
 _live_stores: "weakref.WeakSet[ParameterStore]" = weakref.WeakSet()
 
 
-def track_store(store: ParameterStore) -> None:
+def serve_while(strategy: object, store: ParameterStore) -> None:
+    """Serve ``store``'s modules while ``strategy`` lives: torch's global hooks held and
+    the store seen by every ``optimizer.step()``. When ``strategy`` is garbage collected
+    its modules are released (:meth:`ParameterStore.release_modules`), and the hooks go
+    with the last strategy."""
+    _hooks.acquire()
     _live_stores.add(store)
+    weakref.finalize(strategy, _strategy_gone, store).atexit = False
+
+
+def _strategy_gone(store: ParameterStore) -> None:
+    try:
+        store.release_modules()
+    finally:
+        _hooks.release()
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
@@ -762,4 +835,3 @@ def _before_optimizer_step(optimizer, args, kwargs):
     for store in list(_live_stores):
         store.before_optimizer_step(optimizer)
     return None
-

@@ -23,9 +23,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import torch_internals
+
 __all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device"]
 
 _CPU = torch.device("cpu")
+_function_mode_depth = torch_internals.function_mode_depth  # bound: asked on every reduce
 
 
 def current_device() -> torch.device:
@@ -35,7 +38,7 @@ def current_device() -> torch.device:
     default device, set by ``torch.set_default_device`` or ``with torch.device(...)``, is
     always a torch function mode, so an empty mode stack means none is set.
     """
-    if torch._C._len_torch_function_stack() == 0:
+    if _function_mode_depth() == 0:
         return _CPU
     return torch.get_default_device()
 

@@ -16,7 +16,6 @@ are intercepted whole, such as ``F.gumbel_softmax``) still draw from the global 
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import threading
 from typing import Any, Callable
@@ -25,18 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from . import torch_internals
+from .torch_internals import OpOverload, op_takes_generator
+
 __all__ = ["ReplicaRandom", "RunSeed", "replica_seed", "global_state"]
 
 _MASK64 = (1 << 64) - 1
 
 
-def global_state() -> bytes:
-    """The global CPU generator's state, as bytes to compare (twice a watched run).
-
-    Copied straight from the state tensor's memory: ``.numpy().tobytes()`` took twice
-    as long (5 µs against 2.5), a tenth of an empty run's cost."""
-    state = torch.default_generator.get_state()  # held: its memory is read below
-    return ctypes.string_at(state.data_ptr(), state.numel())
+# The global CPU generator's state, as bytes to compare (twice a watched run): bound, so
+# a run pays no call of its own for it.
+global_state = torch_internals.generator_state_bytes
 
 
 class RunSeed:
@@ -197,8 +195,8 @@ def _dropouts() -> dict:
 # their schema on first use.
 _TAKES_GENERATOR = {getattr(torch, n) for n in (
     "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
-    "bernoulli", "multinomial", "normal", "poisson", "binomial", "_standard_gamma",
-    "_sample_dirichlet", "rrelu", "rrelu_") if hasattr(torch, n)}
+    "bernoulli", "multinomial", "normal", "poisson", "binomial", "rrelu", "rrelu_")
+    if hasattr(torch, n)} | set(torch_internals.PRIVATE_SAMPLERS)
 _TAKES_GENERATOR |= {getattr(torch.Tensor, n) for n in (
     "bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
     "geometric_", "log_normal_", "cauchy_", "multinomial") if hasattr(torch.Tensor, n)}
@@ -209,9 +207,7 @@ _SCHEMA: dict = {}  # OpOverload -> whether it takes a generator
 def _op_takes_generator(func) -> bool:
     known = _SCHEMA.get(func)
     if known is None:
-        schema = getattr(func, "_schema", None)
-        known = _SCHEMA[func] = schema is not None and any(
-            a.name == "generator" for a in schema.arguments)
+        known = _SCHEMA[func] = op_takes_generator(func)
     return known
 
 
@@ -251,7 +247,7 @@ class ReplicaRandom(TorchFunctionMode):
             tensor = _first_tensor(args) if args else kwargs.get("input")
             if tensor is None or tensor.is_cpu:
                 return impl(self._own(), args, kwargs)
-        elif ((func in _TAKES_GENERATOR or (isinstance(func, torch._ops.OpOverload)
+        elif ((func in _TAKES_GENERATOR or (isinstance(func, OpOverload)
                                             and _op_takes_generator(func)))
               and kwargs.get("generator") is None and _on_cpu(args, kwargs)):
             kwargs = dict(kwargs, generator=self._own())

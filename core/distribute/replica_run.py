@@ -33,12 +33,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import torch_internals
 from .openmp_team import OpenMPTeam, find_team
 from .replica_random import ReplicaRandom, RunSeed, global_state
 
 __all__ = ["ReplicaRun", "ReplicaExecutor", "ReplicaAborted", "ExecutionPolicy"]
 
 _FINAL = frozenset({"done", "failed", "aborted", "skipped"})
+# torch's own objects, bound once: every run asks them (see torch_internals for why)
+_any_autocast_enabled = torch_internals.any_autocast_enabled
+_InferenceMode = torch_internals.InferenceMode
+_set_grad_enabled = torch_internals.set_grad_enabled
 
 
 class ReplicaAborted(BaseException):
@@ -62,7 +67,7 @@ class _ThreadState:
     @staticmethod
     def capture() -> "_ThreadState":
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        if not torch._C._is_any_autocast_enabled():  # the common case, in one cheap call
+        if not _any_autocast_enabled():  # the common case, in one cheap call
             return _PLAIN_STATES[grad, inference]
         autocast = []
         for device_type in ("cpu", "cuda"):
@@ -80,8 +85,8 @@ class _ThreadState:
         # switched on and never off does not reach the next run (tested). torch's own
         # guard, not its Python wrappers: ~1 µs, not ~4, on every replica's thread.
         try:
-            with torch._C._InferenceMode(self.inference):
-                torch._C._set_grad_enabled(self.grad_enabled)
+            with _InferenceMode(self.inference):
+                _set_grad_enabled(self.grad_enabled)
                 if not self.autocast:
                     return fn()
                 return self._with_autocast(list(self.autocast), fn)

@@ -24,7 +24,7 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext)
-from .parameters import ParameterStore, install_hooks, track_store
+from .parameters import ParameterStore, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
@@ -339,7 +339,6 @@ class ParameterServerStrategyExtended:
                  parameter: LogicalDevice, parameter_spelling: str,
                  options: StrategyOptions | None = None, cluster_resolver=None,
                  num_workers: int = 1, worker_index: int = 0, store: ParameterStore | None = None):
-        install_hooks()
         self._container = container
         self._compute = compute
         self._parameter = parameter
@@ -351,7 +350,7 @@ class ParameterServerStrategyExtended:
         self._num_replicas_in_sync = num_workers * len(compute)
         self._store = store if store is not None else ParameterStore(
             parameter, compute, self.options.copy_parameters)
-        track_store(self._store)
+        serve_while(container, self._store)
         self._executor = ReplicaExecutor(f"csrun-{id(self):x}")
         self._executor.close_with(container)
         self._policy = ExecutionPolicy(compute, self.options.execution)

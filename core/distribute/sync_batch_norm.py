@@ -10,7 +10,9 @@ their MEAN aggregation equals what a single device computes.
 
 Outside replicas, in eval mode, with one replica, or with
 ``StrategyOptions(sync_batch_norm=False)`` (TF's unsynchronized default), the layer runs
-its own forward unchanged.
+its own forward unchanged. The layer's ``forward`` is routed here by an instance
+attribute (:func:`install`), taken off again (:func:`uninstall`) when the strategy whose
+store adopted the layer is gone.
 """
 
 from __future__ import annotations
@@ -18,21 +20,28 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import context
 from .reduce import ReduceOp
+from .torch_internals import check_batch_norm_input, is_batch_norm
 
-__all__ = ["install", "synchronized_batch_norm"]
+__all__ = ["install", "uninstall", "synchronized_batch_norm"]
 
 
 def install(module: torch.nn.Module) -> None:
     """Route a BatchNorm module created in scope through :func:`_forward` (idempotent)."""
-    if isinstance(module, _BatchNorm) and "forward" not in module.__dict__:
+    if is_batch_norm(module) and "forward" not in module.__dict__:
         module.forward = functools.partial(_forward, module)
 
 
-def _forward(module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+def uninstall(module: torch.nn.Module) -> None:
+    """Give ``module`` its class's forward back, if :func:`install` routed it here."""
+    routed = module.__dict__.get("forward")
+    if isinstance(routed, functools.partial) and routed.func is _forward:
+        del module.__dict__["forward"]
+
+
+def _forward(module: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
     replica = context.current_entry().replica
     if (replica is None or not module.training or not replica.has_peers
             or not replica.strategy.extended.options.sync_batch_norm):
@@ -40,8 +49,8 @@ def _forward(module: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
     return synchronized_batch_norm(module, input, replica)
 
 
-def _momentum(module: _BatchNorm) -> float:
-    """The running-average factor of this step (mirrors ``_BatchNorm.forward``)."""
+def _momentum(module: torch.nn.Module) -> float:
+    """The running-average factor of this step (mirrors torch's BatchNorm forward)."""
     if not module.track_running_stats or module.num_batches_tracked is None:
         return 0.0 if module.momentum is None else module.momentum
     module.num_batches_tracked.add_(1)
@@ -50,9 +59,10 @@ def _momentum(module: _BatchNorm) -> float:
     return module.momentum
 
 
-def synchronized_batch_norm(module: _BatchNorm, input: torch.Tensor, replica) -> torch.Tensor:
+def synchronized_batch_norm(module: torch.nn.Module, input: torch.Tensor,
+                            replica) -> torch.Tensor:
     """Training-mode BatchNorm over the global batch of all replicas."""
-    module._check_input_dim(input)
+    check_batch_norm_input(module, input)
     channels = input.shape[1]
     dims = [0] + list(range(2, input.dim()))
     shape = [1, channels] + [1] * (input.dim() - 2)

@@ -2,6 +2,9 @@
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -168,13 +171,12 @@ def test_ctrl_c_while_replicas_beside_the_team_run_is_raised_after_them(two_thre
 def test_ctrl_c_before_the_region_starts_stops_the_run(two_threads, monkeypatch):
     # A signal landing in the team's own code before any member started: nothing runs,
     # so nothing may be waited for (the run then hung until a second Ctrl-C).
-    from csrun.core.distribute import openmp_team
     strategy = _strategy()
     strategy.run(lambda: None)
 
-    def interrupted(_member):
+    def interrupted(_member, _size):
         raise KeyboardInterrupt
-    monkeypatch.setattr(openmp_team, "_MEMBER", interrupted)
+    monkeypatch.setattr(team.omp, "parallel", interrupted)
     with pytest.raises(KeyboardInterrupt):
         strategy.run(lambda: time.sleep(0.01))
     monkeypatch.undo()
@@ -217,3 +219,78 @@ def test_replicas_beyond_the_team_run_beside_it_and_meet_it(two_threads):
         return torch.tensor([float(team.in_parallel()), float(total)])
     rows = [v.tolist() for v in strategy.experimental_local_results(strategy.run(where))]
     assert rows == [[1.0, 4.0], [1.0, 4.0], [0.0, 4.0], [0.0, 4.0]]
+
+
+# -- which libgomp, and after fork --------------------------------------------------------
+def _python(code: str, **env) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@needs_team
+@pytest.mark.parametrize("loaded", ["before torch", "after torch"])
+def test_the_team_is_torchs_libgomp_when_another_copy_is_loaded(tmp_path, loaded):
+    # Another wheel's libgomp (its own soname) in the same process: its regions are
+    # invisible to torch's kernels, which then start teams of their own beside the
+    # replicas. Loaded after torch it maps below torch's copy, where the first libgomp
+    # in /proc/self/maps used to be taken.
+    original = open(team.omp.path, "rb").read()
+    assert original.count(b"libgomp.so.1\0") == 1
+    other = tmp_path / "libgomp-other.so.1"
+    other.write_bytes(original.replace(b"libgomp.so.1\0", b"libgomx.so.1\0"))
+    out = _python(f"""
+        import ctypes, os
+        if {loaded == "before torch"}:
+            ctypes.CDLL({str(other)!r})
+        import torch
+        ctypes.CDLL({str(other)!r})
+        from csrun.core.distribute.openmp_team import find_team
+        mapped = {{line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}}
+        team = find_team()
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).sum()
+        threads = len(os.listdir("/proc/self/task"))
+        team.run([lambda: torch.ones(1 << 22).sum()] * 2, spare=None)
+        print(len(mapped), team.omp.path, len(os.listdir("/proc/self/task")) - threads)
+    """)
+    assert out.split() == ["2", team.omp.path, "0"]
+
+
+@needs_team
+def test_a_forked_child_finds_the_team_again():
+    out = _python("""
+        import os
+        from csrun.core.distribute import openmp_team
+        parent = openmp_team.find_team()
+        for turn_off in (False, True):
+            pid = os.fork()
+            if pid == 0:  # the child: what it finds is its own
+                if turn_off:
+                    os.environ["CSRUN_OPENMP_TEAM"] = "0"
+                team = openmp_team.find_team()
+                ok = team is None if turn_off else (team is not parent
+                                                    and team.omp.path == parent.omp.path)
+                os._exit(0 if ok else 1)
+            print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        print(openmp_team.find_team() is parent)
+    """)
+    assert out.split() == ["0", "0", "True"]
+
+
+def test_nothing_is_registered_for_fork_until_the_team_is_first_looked_for():
+    out = _python("""
+        import os
+        import torch  # torch's own imports register some (logging, random)
+        calls = []
+        real = os.register_at_fork
+        os.register_at_fork = lambda **kw: (calls.append(kw), real(**kw))
+        import csrun.core
+        from csrun.core.distribute import openmp_team
+        print(len(calls))
+        openmp_team.find_team()
+        openmp_team.find_team()
+        print(len(calls))
+    """)
+    assert out.split() == ["0", "1"]

@@ -1,0 +1,277 @@
+"""Every private torch API csrun uses, each behind one name that says why.
+
+csrun is a distribution engine laid over eager PyTorch: it serves parameters to replicas,
+collects their gradients at the end of a backward and runs replicas as torch's own OpenMP
+team. Some of that has no public torch API, or only one too slow for a path taken on every
+op or every parameter read. Those uses live here, and nowhere else in csrun (a test reads
+the rest of the code and fails naming the file and line of any private use outside this
+module), so that a torch upgrade has one place to look at: ``test_torch_internals.py``
+fails naming the name and the torch version when torch renamed or changed what it stands
+for. docs/torch-internals.md lists them.
+
+Hot paths bind a name from here at import (``_depth = torch_internals.function_mode_depth``):
+most of these are torch's own objects under a csrun name, so a call costs what calling
+torch's private one directly did.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.utils._pytree as _pytree
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
+    "tensor_dict", "set_tensor_dict", "plain_tensor_dict", "tensor_version",
+    "has_post_accumulate_grad_hook", "current_backward_id", "queue_backward_callback",
+    "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
+    "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
+    "PRIVATE_SAMPLERS", "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
+]
+
+
+# -- thread state (every run, on every replica thread) ------------------------------------
+# One C call answers "is any autocast on" for every device type; the public
+# torch.is_autocast_enabled(device) needs one call per device type (~2 µs a run).
+any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
+
+# torch's own inference-mode guard and grad-mode setter, without their Python wrappers:
+# ~1 µs instead of ~4 on every replica's thread (torch.inference_mode builds a context
+# manager object and a decorator wrapper each time).
+InferenceMode = torch._C._InferenceMode
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
+
+# How many torch function modes are active on this thread. A default device
+# (torch.set_default_device, ``with torch.device(...)``) is always one, so 0 means none:
+# torch.get_default_device() costs ~10 µs and is asked on every reduce.
+function_mode_depth: Callable[[], int] = torch._C._len_torch_function_stack
+
+
+# -- a module's parameter and buffer dicts --------------------------------------------------
+# csrun serves each replica its own view of a parameter when a module reads it. torch's
+# only read path is Module.__getattr__, which looks the name up in the dicts
+# ``module._parameters`` / ``module._buffers``; replacing those dicts (with
+# parameters.ServedDict) is the one interception that costs nothing outside replicas.
+# torch.func.functional_call swaps every parameter on every call, and parametrizations
+# add a module and a Python call per parameter.
+_DICTS = {"parameter": "_parameters", "buffer": "_buffers"}
+
+
+def tensor_dict(module: torch.nn.Module, kind: str) -> dict | None:
+    """``module``'s own dict of ``kind`` ("parameter" or "buffer"): the object itself,
+    which ``Module.__getattr__``, ``__setattr__``, ``register_*`` and ``named_*`` use."""
+    return module.__dict__.get(_DICTS[kind])
+
+
+def set_tensor_dict(module: torch.nn.Module, kind: str, mapping: dict) -> None:
+    """Make ``mapping`` (a dict, or a dict subclass) ``module``'s dict of ``kind``."""
+    module.__dict__[_DICTS[kind]] = mapping
+
+
+def plain_tensor_dict(items) -> dict:
+    """``items`` (a dict or its items) in the kind of dict torch's own modules hold
+    (``dict``; an ``OrderedDict`` in older torch, 2.3 included): a module released by
+    csrun gets back what torch made."""
+    return type(torch.nn.Module().__dict__["_parameters"])(items)
+
+
+# -- autograd -------------------------------------------------------------------------------
+# A tensor's version counter (bumped by every in-place write): how csrun tells that a
+# buffer or a mirrored parameter changed without comparing values. No public accessor;
+# an attrgetter is a C call, so reading it adds no Python frame per tensor.
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+
+
+def has_post_accumulate_grad_hook(tensor: torch.Tensor, hook: Callable) -> bool:
+    """Whether ``hook`` is already registered on ``tensor`` by
+    ``register_post_accumulate_grad_hook`` (which has no public way to list hooks): a run
+    output that is a leaf is watched once, however many runs return it."""
+    hooks = tensor._post_accumulate_grad_hooks
+    return bool(hooks) and any(h is hook for h in hooks.values())
+
+
+def current_backward_id() -> int:
+    """The id of the backward running on this thread (-1 outside any): a hook reached
+    many times in one backward queues its end-of-backward callback once. No public API;
+    DDP uses the same one."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward has finished (the way DDP collects its
+    gradients); torch has no public form of the engine's ``queue_callback``."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ``others[i]`` added into ``tensors[i]`` in one kernel per dtype and device, as
+# torch.optim does; the foreach ops have no public name.
+foreach_add_: Callable[[list, list], None] = torch._foreach_add_
+
+# The leaves of any container torch's pytree knows (torch.return_types, registered
+# classes), where a run's outputs may hide tensors to watch. torch 2.13 has no public
+# pytree module.
+pytree_leaves: Callable = _pytree.tree_leaves
+
+
+def compiler_in_use() -> bool:
+    """Whether torch's compiler (torch._dynamo) is loaded: ``torch.compile`` loads it
+    (so does torch.optim's first optimizer). csrun wraps its compiled-read fallback in
+    ``torch.compiler.disable`` only then: importing the compiler costs ~1.7 s and sets
+    process-wide state (an environment variable, warning filters), which importing csrun
+    must not take."""
+    return "torch._dynamo" in sys.modules
+
+
+# -- BatchNorm --------------------------------------------------------------------------
+def is_batch_norm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is one of torch's BatchNorm layers (1d/2d/3d, lazy, Sync, or a
+    user subclass of their base). The public classes share no public base, and listing
+    them would miss the lazy ones and subclasses of ``_BatchNorm``."""
+    return isinstance(module, _BatchNorm)
+
+
+def check_batch_norm_input(module: torch.nn.Module, input: torch.Tensor) -> None:
+    """The layer's own input check (BatchNorm2d wants 4-D input, ...), with torch's
+    error, for the synchronized forward that replaces the layer's."""
+    module._check_input_dim(input)
+
+
+# -- random numbers ---------------------------------------------------------------------
+def generator_state_bytes(generator: torch.Generator = torch.default_generator) -> bytes:
+    """``generator``'s state (the global CPU generator's by default) as bytes to compare,
+    copied straight from the state tensor's memory: ``.numpy().tobytes()`` took twice as
+    long (5 µs against 2.5), a tenth of an empty run's cost. Relies on the state being a
+    contiguous uint8 tensor."""
+    state = generator.get_state()  # held: its memory is read below
+    return ctypes.string_at(state.data_ptr(), state.numel())
+
+
+# What ``torch.ops.aten.<op>.<overload>`` objects are: replicas' random streams see
+# them in ``__torch_function__`` and must tell them from Python functions.
+OpOverload = torch._ops.OpOverload
+
+
+def op_takes_generator(op: OpOverload) -> bool:
+    """Whether an operator overload takes ``generator=`` (from its schema)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.name == "generator" for a in schema.arguments)
+
+
+# Private torch functions that draw random numbers and take ``generator=`` (used by
+# torch.distributions' Gamma, Beta and Dirichlet): a replica's stream must cover them.
+PRIVATE_SAMPLERS: tuple = tuple(getattr(torch, name) for name in
+                                ("_standard_gamma", "_sample_dirichlet") if hasattr(torch, name))
+
+
+# -- OpenMP -----------------------------------------------------------------------------
+def uses_openmp() -> bool:
+    """Whether ATen's CPU parallelism runs on OpenMP (torch reports it only as text)."""
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+_GOMP_MEMBER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class GnuOpenMP:
+    """The GNU OpenMP runtime (libgomp) that torch's CPU kernels run on: the entry points
+    csrun calls to run replicas as torch's own team (torch has no way to run Python on
+    it). ``thread_num``, ``num_threads`` and ``in_parallel`` are libgomp's own functions
+    (``omp_get_thread_num`` ...), called with no Python in between."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.path = path
+        self._parallel = lib.GOMP_parallel
+        self._parallel.argtypes = [_GOMP_MEMBER, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        self._parallel.restype = None
+        self.thread_num = lib.omp_get_thread_num
+        self.num_threads = lib.omp_get_num_threads
+        self.in_parallel = lib.omp_in_parallel
+        for function in (self.thread_num, self.num_threads, self.in_parallel):
+            function.argtypes, function.restype = [], ctypes.c_int
+
+    def parallel(self, member: Callable[[object], None], size: int) -> None:
+        """One parallel region of ``size`` threads, each calling ``member(None)``
+        (``GOMP_parallel``, what GCC emits for ``#pragma omp parallel``); returns when
+        all have. An exception ``member`` raises goes to ``sys.unraisablehook`` with
+        ``member`` as its object (ctypes cannot unwind into C)."""
+        callback = _GOMP_MEMBER(member)  # kept alive until the region has ended
+        self._parallel(callback, None, size, 0)
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def torch_gnu_openmp() -> GnuOpenMP | None:
+    """The libgomp that torch's CPU library was bound to, None where torch runs on no
+    GNU OpenMP (LLVM's libomp, macOS, Windows) or it cannot be found.
+
+    Found through ``libtorch_cpu`` itself: a symbol looked up in a library's handle is
+    searched in that library and its dependencies as the loader bound them, so
+    ``GOMP_parallel`` resolves in torch's libgomp even when another copy (another
+    wheel's, loaded before or after torch) is in the process; ``dladdr`` names its file,
+    which is then opened with ``RTLD_NOLOAD``: the copy torch uses, never a second
+    runtime.
+    """
+    if not uses_openmp():
+        return None
+    torch_cpu = _mapped_library("libtorch_cpu")
+    if torch_cpu is None:
+        return None
+    try:
+        entry = ctypes.CDLL(torch_cpu, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).GOMP_parallel
+        path = _defining_file(ctypes.cast(entry, ctypes.c_void_p))
+        if path is None or not os.path.basename(path).startswith("libgomp"):
+            return None  # (LLVM's libomp defines GOMP_* too)
+        return GnuOpenMP(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), path)
+    except (OSError, AttributeError):
+        return None
+
+
+def _defining_file(address: ctypes.c_void_p) -> str | None:
+    """The file of the loaded library that ``address`` lies in (``dladdr``: in libc
+    since glibc 2.34, in libdl before)."""
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        dladdr = ctypes.CDLL("libdl.so.2").dladdr
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def _mapped_library(prefix: str) -> str | None:
+    """The path of the first mapped file whose name starts with ``prefix`` (Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith(prefix):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+# -- torch.distributed ------------------------------------------------------------------
+def gloo_group(store, rank: int, size: int, timeout, device=None):
+    """A gloo process group over ``store``; on ``device`` (a gloo device, from
+    ``ProcessGroupGloo.create_device``) when given. Only the private ``_Options`` choose
+    the device of a group made directly (``init_process_group`` would make it the
+    process's default group, and its ``pg_options`` take the same ``_Options``)."""
+    import torch.distributed as dist  # only the cluster needs it
+
+    if device is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices, options._timeout = [device], timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
