@@ -339,7 +339,7 @@ class View:
         table.add_column(overflow="fold")
         epochs = f" ({result.epochs:.2f} epochs)" if result.epochs is not None else ""
         table.add_row("steps", f"{result.steps}/{result.total_steps}{epochs}")
-        table.add_row("loss", f"{_loss(result.losses[0] if result.losses else None)} -> "
+        table.add_row("loss", f"{_loss(result.first_loss)} -> "
                               f"{_loss(result.final_loss)}  {sparkline(result.losses)}")
         train_acc = f", accuracy {_pct(m['train_accuracy'])}" \
             if m.get("train_accuracy") is not None else ""

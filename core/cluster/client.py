@@ -283,9 +283,10 @@ class ParameterServerClient:
         poll_until(settled, time.monotonic() + timeout)
         return sorted(lost)
 
-    def end_job(self, timeout: float = 60.0) -> list[list]:
-        """Chief: stop the ps tasks; return each one's log of applied pushes
-        (``[worker, version]`` in the order they were applied)."""
+    def end_job(self, timeout: float = 60.0) -> list[dict]:
+        """Chief: stop the ps tasks; return each one's log of applied pushes:
+        ``{"updates": {worker: count}, "recent": [[worker, version], ...]}``, the newest
+        pushes (at most ``server.LOG_LIMIT``) in the order they were applied."""
         self._store.set("job/done", "1")
         deadline = time.monotonic() + timeout
         for k in range(self.num_ps):

@@ -9,6 +9,7 @@ serves each worker incarnation on a thread of its own, over a :class:`.transport
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -24,6 +25,9 @@ from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL,
                         unpack_state, views_like)
 
 __all__ = ["ParameterServer"]
+
+
+LOG_LIMIT = 10_000  # applied pushes a ps remembers in order (the newest)
 
 
 class _Refused(Exception):
@@ -51,7 +55,10 @@ class ParameterServer:
         self._optimizer = None
         self._lock = threading.Lock()
         self.version = 0
-        self.log: list[tuple[str, int]] = []  # (worker, version) of every applied push
+        # (worker, version) of the newest applied pushes, and every worker's count: what the
+        # chief reports, bounded however long the job runs
+        self.log: collections.deque[tuple[str, int]] = collections.deque(maxlen=LOG_LIMIT)
+        self.updates: dict[str, int] = {}
         self._aborted: str | None = None  # why the chief ended the job after a failure
         self._threads: list[threading.Thread] = []
         self._joined = 0  # workers accepted so far (the store counts those that asked)
@@ -115,7 +122,8 @@ class ParameterServer:
         for thread in self._threads:  # workers said goodbye or died; let the threads end
             thread.join(timeout=5)
         with self._lock:
-            self._store.set(f"ps/{self.task_id}/log", json.dumps(self.log))
+            self._store.set(f"ps/{self.task_id}/log", json.dumps(
+                {"updates": self.updates, "recent": list(self.log)}))
         self._store.set(f"ps/{self.task_id}/stopped", "1")
         if self.task_id == 0:  # the store lives here: stay until the chief is done with it
             poll_until(lambda: self._store.check(["job/closed"]),
@@ -226,6 +234,7 @@ class ParameterServer:
         self._optimizer.step()
         self.version += 1
         self.log.append((worker, self.version))
+        self.updates[worker] = self.updates.get(worker, 0) + 1
 
     def state_dict(self) -> dict:
         return {"values": {i: t.detach().clone() for i, t in self._vars.items()},

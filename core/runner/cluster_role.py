@@ -327,10 +327,8 @@ class ClusterRole:
                 self.ext.abort(reason)
 
 
-def _updates(logs: list) -> dict[str, int]:
+def _updates(logs: list[dict]) -> dict[str, int]:
     """Updates applied per worker, from the ps tasks' logs (a push reaches every ps
-    that holds variables, so the longest log has them all)."""
-    counts: dict[str, int] = {}
-    for worker, _ in max(logs, key=len, default=[]):
-        counts[worker] = counts.get(worker, 0) + 1
-    return counts
+    that holds variables, so the one that applied the most has them all)."""
+    counts = max((log["updates"] for log in logs), key=lambda c: sum(c.values()), default={})
+    return dict(sorted(counts.items()))

@@ -5,8 +5,8 @@ The rule (docs/reliability.md): the *smoothed* loss -- the mean over a window of
 the loss of its first step (before any update). A run has diverged when the smoothed
 loss exceeds ``train.divergence`` times the start in ``WINDOWS`` consecutive windows, or
 in the last window of the run (a run must not end as a success on a loss that ran
-away). It is computed from the per-step losses alone, which checkpoints keep, so a
-resumed run judges as an uninterrupted one does.
+away). It needs only the first step's loss and the last ``WINDOWS`` windows' losses,
+which checkpoints keep, so a resumed run judges as an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -19,14 +19,23 @@ WINDOWS = 3
 
 
 def diverged(losses: Sequence[float], window: int, factor: float | None,
-             last: bool) -> str | None:
-    """Why the run diverged (a message), or None. ``last``: this is the run's end."""
-    if factor is None or not losses or not losses[0] > 0:
+             last: bool, *, first: float | None = None, steps: int | None = None
+             ) -> str | None:
+    """Why the run diverged (a message), or None. ``last``: this is the run's end.
+
+    ``losses``: every step's loss; or, with ``first`` (the first step's) and ``steps``
+    (how many there were), the most recent ones (at least ``WINDOWS * window`` of them).
+    """
+    first = losses[0] if first is None and losses else first
+    steps = len(losses) if steps is None else steps
+    if factor is None or first is None or not first > 0:
         return None  # no check, or a start of 0 that no factor can scale
-    start, limit = losses[0], factor * losses[0]
+    start, limit = first, factor * first
     needed = 1 if last else WINDOWS
-    means = [_mean(losses[len(losses) - (k + 1) * window:len(losses) - k * window])
-             for k in range(needed) if len(losses) - (k + 1) * window >= 1]
+    end = len(losses)  # the windows end at the newest loss; none takes the first step's
+    means = [_mean(losses[end - (k + 1) * window:end - k * window])
+             for k in range(needed)
+             if steps - (k + 1) * window >= 1 and end - (k + 1) * window >= 0]
     if len(means) < needed or any(mean <= limit for mean in means):
         return None
     return (f"the loss diverged: {means[0]:.3g} over the last {window} steps, more than "

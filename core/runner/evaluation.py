@@ -23,6 +23,7 @@ import torch
 
 from ..config.schema import RunConfig
 from .errors import RunError
+from .curve import Thinned
 from .events import Evaluated, Notice
 from .improvement import MetricWatch
 from .metrics import MetricSinks
@@ -52,7 +53,7 @@ class Evaluator:
     def __init__(self, config: RunConfig, parts: EvalParts, holdout: Sequence[int]):
         self.config, self.parts, self.holdout = config, parts, holdout
         self.metrics: dict[str, float] = {}  # a loss function's, on the holdout
-        self.evaluations: list[dict[str, Any]] = []  # train.eval_every's, in step order
+        self.evaluations = Thinned()  # train.eval_every's, in step order (bounded)
         self.last: Evaluated | None = None
         self.early_stopped: dict[str, Any] | None = None
         stopping, best = config.train.early_stopping, config.checkpoint.keep_best
@@ -118,7 +119,7 @@ class Evaluator:
             return False
         evaluated.step, self.last = step, evaluated
         record = {"step": step, **self._record(evaluated)}
-        self.evaluations.append(record)
+        self.evaluations.add(record)
         sinks.write({"step": step, "epoch": epoch, "eval": record})
         self.parts.emit(evaluated)
         improved = self.best is not None and \
@@ -178,12 +179,18 @@ class Evaluator:
                 "best_metric": {self.best.metric: self.best.best}}
 
     def state_dict(self) -> dict:
-        return {"evaluations": self.evaluations,
+        return {"evaluations": self.evaluations.state_dict(),
                 "watches": {"stopper": self.stopper and self.stopper.state(),
                             "best": self.best and self.best.state()}}
 
     def load_state_dict(self, payload: dict) -> None:
-        self.evaluations = list(payload.get("evaluations", []))
+        self.evaluations = Thinned()
+        evaluations = payload.get("evaluations", [])
+        if isinstance(evaluations, list):  # an older checkpoint: every evaluation
+            for record in evaluations:
+                self.evaluations.add(record)
+        else:
+            self.evaluations.load_state_dict(evaluations)
         watches = payload.get("watches", {})
         for name in ("stopper", "best"):
             if getattr(self, name) is not None:

@@ -113,7 +113,11 @@ class RunResult(_Event):
     total_steps: int
     epochs: float | None  # None when the pipeline repeats forever
     examples: int
+    # the loss curve: at most 512 points, each the mean loss of `losses_every` steps (a
+    # power of two; the last point may cover fewer); every step's loss is in --metrics
     losses: list[float]
+    losses_every: int
+    first_loss: float | None
     final_loss: float | None
     metrics: dict[str, Any]
     throughput: dict[str, float]
@@ -124,7 +128,9 @@ class RunResult(_Event):
     strategy: dict[str, Any]
     checkpoint: dict[str, Any]
     signal: str | None = None  # "SIGINT" or "SIGTERM" when interrupted by one
-    # every evaluation during training (``train.eval_every``): {"step", "eval_loss", ...}
+    # the evaluations during training (``train.eval_every``): {"step", "eval_loss", ...};
+    # at most 512, every `evaluations_every`-th (each is also a --metrics line)
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    evaluations_every: int = 1
     # ``train.early_stopping`` ended the run: {"step", "metric", "best", "best_step"}
     early_stopped: dict[str, Any] | None = None

@@ -25,8 +25,9 @@ def run_result(session: Any, status: str, evaluated: Evaluated | None,
     return RunResult(
         status=status, steps=state.step, total_steps=session.total_steps,
         epochs=state.step / session.steps_per_epoch if session.steps_per_epoch else None,
-        examples=state.totals.examples, losses=list(state.losses),
-        final_loss=state.losses[-1] if state.losses else None,
+        examples=state.totals.examples, losses=state.curve.points(),
+        losses_every=state.curve.every, first_loss=state.first_loss,
+        final_loss=state.last_loss,
         metrics=_metrics(session, evaluated), throughput=_throughput(session),
         phases_s=state.session.mean_phases(), per_replica=_per_replica(session),
         replica_balance=_balance(session), params_sha256=params_sha256(session.model),
@@ -39,7 +40,8 @@ def run_result(session: Any, status: str, evaluated: Evaluated | None,
                     "resumed_from_step": checkpoints.resumed_from,
                     **session.evaluator.best_checkpoint(checkpoints.best_path),
                     "export": exported},
-        evaluations=list(session.evaluator.evaluations),
+        evaluations=list(session.evaluator.evaluations.records),
+        evaluations_every=session.evaluator.evaluations.stride,
         early_stopped=session.evaluator.early_stopped)
 
 

@@ -41,7 +41,8 @@ from ..data.sources import load_source, split_holdout
 from . import replica_step
 from .batches import PassBatches
 from .checkpointing import Checkpointer, Entry
-from .divergence import diverged
+from .curve import Curve
+from .divergence import WINDOWS, diverged
 from .errors import NonFiniteLoss, RunError
 from .evaluation import EvalParts, Evaluator
 from .events import Notice, RunResult, RunStarted, StepDone
@@ -117,14 +118,14 @@ class Session:
         self.total_steps = config.train.steps or config.train.epochs * self.steps_per_epoch
         self.checkpoints = Checkpointer(config, self.replicas, self.role.is_chief, emit)
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
-        self.state = TrainState(self.replicas)
+        self.state = TrainState(self.replicas, recent=WINDOWS * config.train.log_every)
         self.batches = PassBatches(config.dataset, self.pipeline, self.strategy,
                                    self.devices, self.role.sliced)
         self.evaluator = Evaluator(config, EvalParts(
             self.strategy, self.role, self.pipeline, self.objective, self.precision,
             self.model, forward, emit), holdout)
         self.seconds = 0.0  # this process's time in fit
-        self.step_times: list[list[float]] = []  # per step, per replica (for --plot)
+        self.step_times = [Curve() for _ in range(self.replicas)]  # this process's (--plot)
 
     def _build_model(self) -> None:
         config = self.config
@@ -274,7 +275,8 @@ class Session:
         state.record(per_replica, correct, loss, phases, batches)
         seconds = [s["seconds"] for s in per_replica]
         if self.outputs.plot:
-            self.step_times.append(seconds)
+            for curve, replica_seconds in zip(self.step_times, seconds):
+                curve.add(replica_seconds)
         if self.sinks.active:  # (the step's correct predictions are counted only then)
             self._write_record(per_replica, loss, seconds, phases, grad_norm)
         self.emit(StepDone(state.step, self.total_steps, loss))
@@ -312,8 +314,9 @@ class Session:
         self.emit(state.log(self.total_steps, self._lr(), self.devices,
                             self.objective.classify))
         self.role.logged()
-        why = diverged(state.losses, train.log_every, train.divergence,
-                       last=state.step == self.total_steps)
+        why = diverged(list(state.recent), train.log_every, train.divergence,
+                       last=state.step == self.total_steps, first=state.first_loss,
+                       steps=state.step)
         if why:
             raise RunError(why)
 
@@ -339,6 +342,6 @@ class Session:
                                 self.checkpoint_note) if completed else None
         if self.outputs.plot:
             first = (self.checkpoints.resumed_from or 0) + 1
-            write_plot(self.outputs.plot, self.state.losses, self.step_times, self.devices,
+            write_plot(self.outputs.plot, self.state.curve, self.step_times, self.devices,
                        first)
         return self.role.end(run_result(self, status, evaluated, exported), self.model)

@@ -2,11 +2,13 @@
 
 :class:`TrainState` is checkpointed whole (``state_dict``/``load_state_dict``), so that a
 resumed run continues the step count, the data position, the loss curve and the tallies
-of an uninterrupted one and logs what it would have logged.
+of an uninterrupted one and logs what it would have logged. Its size does not grow with
+the steps: the losses are a bounded :class:`~csrun.core.runner.curve.Curve`, the first
+step's and the last few log windows' (what the divergence rule reads).
 
 Example::
 
-    state = TrainState(replicas=2)
+    state = TrainState(replicas=2, recent=150)
     state.record(per_replica, correct, loss=0.7, phases=phases, batches=1)
     log = state.log(total_steps=100, learning_rate=0.01, devices=["CPU:0", "CPU:1"],
                     classify=True)
@@ -14,10 +16,12 @@ Example::
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Sequence
 
 import torch
 
+from .curve import Curve
 from .events import ReplicaStats, StepLog
 from .objectives import PendingCorrect
 from .tally import Tally
@@ -26,14 +30,17 @@ __all__ = ["TrainState"]
 
 
 class TrainState:
-    """The step, epoch and position in the pass (batches consumed), every step's loss,
-    and the tallies: the whole run's, the current log window's, and this process's
-    (``session``: its throughput, not checkpointed)."""
+    """The step, epoch and position in the pass (batches consumed), the losses, and the
+    tallies: the whole run's, the current log window's, and this process's (``session``:
+    its throughput, not checkpointed). ``recent``: how many of the newest losses to keep
+    (the divergence rule's windows)."""
 
-    def __init__(self, replicas: int):
+    def __init__(self, replicas: int, recent: int):
         self.replicas = replicas
         self.step = self.epoch = self.position = 0
-        self.losses: list[float] = []
+        self.curve = Curve()
+        self.first_loss: float | None = None
+        self.recent: collections.deque[float] = collections.deque(maxlen=recent)
         self.totals, self.window = Tally(replicas), Tally(replicas)
         self.session = Tally(replicas)
         self.last_log: StepLog | None = None
@@ -44,10 +51,20 @@ class TrainState:
         """A finished optimizer step over ``batches`` batches of the pass."""
         self.step += 1
         self.position += batches
-        self.losses.append(loss)
+        self._add_loss(loss)
         for tally in (self.totals, self.window, self.session):
             tally.add(per_replica, phases)
         self.pending_correct.add(correct)
+
+    def _add_loss(self, loss: float) -> None:
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.curve.add(loss)
+        self.recent.append(loss)
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.recent[-1] if self.recent else None
 
     def count_correct(self) -> int:
         """Count the correct predictions waiting since the last count into the tallies
@@ -74,14 +91,24 @@ class TrainState:
     def state_dict(self) -> dict:
         self.count_correct()  # the tallies are saved: their counts must be in
         return {"step": self.step, "epoch": self.epoch, "position": self.position,
-                "losses": torch.tensor(self.losses, dtype=torch.float64),
+                "loss_curve": self.curve.state_dict(), "first_loss": self.first_loss,
+                "recent_losses": torch.tensor(list(self.recent), dtype=torch.float64),
                 "totals": self.totals.state_dict(), "window": self.window.state_dict(),
                 "last_log": self.last_log.to_dict() if self.last_log else None}
 
     def load_state_dict(self, payload: dict) -> None:
         self.step, self.epoch, self.position = payload["step"], payload["epoch"], \
             payload["position"]
-        self.losses = payload["losses"].tolist()
+        if "losses" in payload:  # an older checkpoint: every step's loss, replayed
+            self.curve, self.first_loss, self.recent = Curve(), None, \
+                collections.deque(maxlen=self.recent.maxlen)
+            for loss in payload["losses"].tolist():
+                self._add_loss(loss)
+        else:
+            self.curve.load_state_dict(payload["loss_curve"])
+            self.first_loss = payload["first_loss"]
+            self.recent.clear()
+            self.recent.extend(payload["recent_losses"].tolist())
         self.totals.load_state_dict(payload["totals"])
         self.window.load_state_dict(payload["window"])
         last = payload.get("last_log")

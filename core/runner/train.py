@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import warnings
@@ -27,6 +28,8 @@ from .session import Outputs, Session, run_session
 from .signals import stop_on_signals
 
 __all__ = ["train", "train_from_file", "task_name"]
+
+_SEEN = 256  # distinct warning texts remembered (the newest)
 
 
 def train_from_file(path: str, overrides: Sequence[str] = (), **options: Any) -> RunResult:
@@ -99,13 +102,18 @@ def _check_options(config: RunConfig, resume: bool, outputs: Outputs) -> None:
 
 @contextlib.contextmanager
 def _engine_warnings(on_event: Callable | None):
-    """Report the engine's warnings (e.g. dropped batches) once each, as Notices."""
-    seen: set = set()
+    """Report the engine's warnings (e.g. dropped batches) once each, as Notices (the
+    newest ``_SEEN`` texts are remembered: a text that names a step is new each time)."""
+    seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def show(message, category, filename, lineno, file=None, line=None):
         text = str(message)
-        if text not in seen and on_event is not None:
-            seen.add(text)
+        if text in seen:
+            seen.move_to_end(text)
+        elif on_event is not None:
+            seen[text] = None
+            if len(seen) > _SEEN:
+                seen.popitem(last=False)
             on_event(Notice(text))
 
     with warnings.catch_warnings():

@@ -70,7 +70,8 @@ def train() -> int:
     lost = ext.finish(timeout=60, report=lambda task, why: reported.append(task))
     result = {"losses": losses, "lost": lost, "reported": reported,
               "placement": [ext.variable_device(p) for p in model.parameters()],
-              "chief": ext.is_chief, "logs": getattr(ext, "ps_logs", None)}
+              "chief": ext.is_chief,
+              "logs": [log["recent"] for log in ext.ps_logs] if ext.is_chief else None}
     with open(os.environ["PS_RESULT"], "w") as f:
         json.dump(result, f)
     return 0
