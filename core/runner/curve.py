@@ -6,8 +6,9 @@ does. :class:`Curve` keeps a per-step series (the loss, a replica's step time) a
 neighbours merge and ``every`` doubles. :class:`Thinned` keeps at most ``limit`` records
 (the evaluations during training) evenly spaced: when it fills up, every other one goes.
 Both are deterministic in the values they are given, and their state is checkpointed
-whole, so a resumed run reports exactly what an uninterrupted one does. Every single
-value still goes to ``--metrics``, which streams.
+whole, so a resumed run reports exactly what an uninterrupted one does; in a checkpoint
+it is tensors of ``limit`` entries however many are in use, so checkpoints keep one size.
+Every single value still goes to ``--metrics``, which streams.
 
 Example::
 
@@ -26,6 +27,13 @@ import torch
 __all__ = ["Curve", "Thinned", "POINTS"]
 
 POINTS = 512  # enough for a plot or a sparkline; a few kilobytes in a checkpoint
+
+
+def padded(values: list, limit: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``values`` in a tensor of ``limit`` entries (zeros after them): one size always."""
+    tensor = torch.zeros(limit, dtype=dtype)
+    tensor[:len(values)] = torch.tensor(values, dtype=dtype)
+    return tensor
 
 
 class Curve:
@@ -49,7 +57,7 @@ class Curve:
             return
         self._points.append(self._sum / self.every)
         self._sum, self._count = 0.0, 0
-        if len(self._points) == self.limit:  # full: pairs merge, each covers twice as much
+        while len(self._points) >= self.limit:  # full: pairs merge, each covers twice more
             pairs = zip(self._points[::2], self._points[1::2])
             self._points = [(a + b) / 2 for a, b in pairs]
             self.every *= 2
@@ -60,20 +68,20 @@ class Curve:
         return self._points + partial
 
     def state_dict(self) -> dict[str, Any]:
-        return {"every": self.every, "steps": self.steps,
-                "points": torch.tensor(self._points, dtype=torch.float64),
-                "sum": self._sum, "count": self._count}
+        return {"every": self.every, "steps": self.steps, "kept": len(self._points),
+                "points": padded(self._points, self.limit), "sum": self._sum,
+                "count": self._count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.every, self.steps = int(state["every"]), int(state["steps"])
-        self._points = state["points"].tolist()
+        self._points = state["points"][:int(state["kept"])].tolist()
         self._sum, self._count = float(state["sum"]), int(state["count"])
 
 
 class Thinned:
-    """At most ``limit`` records, evenly spaced: record *n* (from 0) is kept while
-    ``n % stride == 0``; when the records fill up, every other one goes and the stride
-    doubles."""
+    """At most ``limit`` records (flat dicts of numbers, e.g. an evaluation's), evenly
+    spaced: record *n* (from 0) is kept while ``n % stride == 0``; when the records fill
+    up, every other one goes and the stride doubles."""
 
     def __init__(self, limit: int | None = None):
         limit = POINTS if limit is None else limit
@@ -82,9 +90,9 @@ class Thinned:
         self.limit = limit
         self.stride = 1
         self.seen = 0
-        self.records: list[Any] = []
+        self.records: list[dict[str, int | float]] = []
 
-    def add(self, record: Any) -> None:
+    def add(self, record: dict[str, int | float]) -> None:
         if self.seen % self.stride == 0:
             self.records.append(record)
             if len(self.records) == self.limit:
@@ -93,8 +101,22 @@ class Thinned:
         self.seen += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stride": self.stride, "seen": self.seen, "records": list(self.records)}
+        """The records as one column per key (int64 where every value is an int), each
+        ``limit`` long, with where each key is present."""
+        keys = list(dict.fromkeys(k for record in self.records for k in record))
+        columns, present = {}, {}
+        for key in keys:
+            values = [record.get(key, 0) for record in self.records]
+            whole = all(type(v) is int for v in values)
+            columns[key] = padded(values, self.limit, torch.int64 if whole else torch.float64)
+            present[key] = padded([key in r for r in self.records], self.limit, torch.bool)
+        return {"stride": self.stride, "seen": self.seen, "kept": len(self.records),
+                "columns": columns, "present": present}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stride, self.seen = int(state["stride"]), int(state["seen"])
-        self.records = list(state["records"])
+        kept = int(state["kept"])
+        columns = {key: column[:kept].tolist() for key, column in state["columns"].items()}
+        present = {key: mask[:kept].tolist() for key, mask in state["present"].items()}
+        self.records = [{key: values[i] for key, values in columns.items() if present[key][i]}
+                        for i in range(kept)]

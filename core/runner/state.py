@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .curve import Curve
+from .curve import Curve, padded
 from .events import ReplicaStats, StepLog
 from .objectives import PendingCorrect
 from .tally import Tally
@@ -92,7 +92,8 @@ class TrainState:
         self.count_correct()  # the tallies are saved: their counts must be in
         return {"step": self.step, "epoch": self.epoch, "position": self.position,
                 "loss_curve": self.curve.state_dict(), "first_loss": self.first_loss,
-                "recent_losses": torch.tensor(list(self.recent), dtype=torch.float64),
+                "recent_losses": padded(list(self.recent), self.recent.maxlen),
+                "recent_kept": len(self.recent),
                 "totals": self.totals.state_dict(), "window": self.window.state_dict(),
                 "last_log": self.last_log.to_dict() if self.last_log else None}
 
@@ -108,7 +109,7 @@ class TrainState:
             self.curve.load_state_dict(payload["loss_curve"])
             self.first_loss = payload["first_loss"]
             self.recent.clear()
-            self.recent.extend(payload["recent_losses"].tolist())
+            self.recent.extend(payload["recent_losses"][:payload["recent_kept"]].tolist())
         self.totals.load_state_dict(payload["totals"])
         self.window.load_state_dict(payload["window"])
         last = payload.get("last_log")
