@@ -19,8 +19,6 @@ from __future__ import annotations
 import collections
 from typing import Any, Sequence
 
-import torch
-
 from .curve import Curve, padded
 from .events import ReplicaStats, StepLog
 from .objectives import PendingCorrect
