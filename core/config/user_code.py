@@ -34,14 +34,15 @@ class UserCodeError(RuntimeError):
 
     _WORKER = "Caught UserCodeError in "
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, hint: str | None = None):
         # a DataLoader worker's re-raise puts the worker's whole traceback in the message:
         # keep csrun's own line, and say which worker
         if message.startswith(self._WORKER):
             where = message.split("\n", 1)[0][len(self._WORKER):].rstrip(".")
             last = message.rstrip().rsplit("\n", 1)[-1]
             message = f"{last.removeprefix('UserCodeError: ')} (in {where})"
-        super().__init__(message)
+        self.message, self.hint = message, hint  # apart, for a config Problem
+        super().__init__(f"{message}; {hint}" if hint else message)
 
 
 def user_code_error(field: str, what: str, exc: BaseException) -> UserCodeError:

@@ -25,6 +25,7 @@ from ..config.schema import RunConfig
 from .errors import RunError
 from .curve import Thinned
 from .events import Evaluated, Notice
+from .failures import located
 from .improvement import MetricWatch
 from .metrics import MetricSinks
 from .replica_step import device_type
@@ -45,6 +46,7 @@ class EvalParts:
     model: torch.nn.Module
     forward_model: torch.nn.Module  # the compiled model, or ``model``
     emit: Callable[[Any], None]
+    devices: Sequence[str]          # each replica's, to name one that failed
 
 
 class Evaluator:
@@ -61,8 +63,9 @@ class Evaluator:
                                                 stopping.min_delta)
         self.best = best and MetricWatch(best.metric, best.mode)
 
-    def evaluate(self) -> Evaluated | None:
-        """Loss and accuracy on the held-out examples (the chief's to compute)."""
+    def evaluate(self, step: int) -> Evaluated | None:
+        """Loss and accuracy on the held-out examples after ``step`` (the chief's to
+        compute)."""
         parts = self.parts
         if not parts.role.is_chief or len(self.holdout) == 0:
             return None
@@ -76,6 +79,9 @@ class Evaluator:
                 for key in ("loss", "examples", "correct"):
                     totals[key] += float(stats[key])  # a tensor, or the count's int
                 add_metrics(totals, stats)
+        except Exception as exc:  # noqa: BLE001 - the user's model or loss: say where
+            raise located(exc, f"the evaluation after step {step}", parts.objective,
+                          parts.devices)
         finally:
             parts.model.train()
         examples = int(totals["examples"])
@@ -114,7 +120,7 @@ class Evaluator:
         """``train.eval_every``: evaluate, report (event, ``--metrics`` line, result), and
         feed early stopping; True when the best checkpoint's metric improved (the caller
         saves that checkpoint)."""
-        evaluated = self.evaluate()
+        evaluated = self.evaluate(step)
         if evaluated is None:
             return False
         evaluated.step, self.last = step, evaluated
@@ -145,7 +151,7 @@ class Evaluator:
         last = self.last
         if last is not None and last.step == step:
             return last
-        evaluated = self.evaluate()
+        evaluated = self.evaluate(step)
         if evaluated is not None:
             self.parts.emit(evaluated)
         return evaluated

@@ -35,7 +35,7 @@ from ..distribute.values import flatten
 from .models import LOSSES, resolve_loss
 
 __all__ = ["NamedLoss", "LossFunction", "PendingCorrect", "make_objective",
-           "is_loss_function", "batch_examples", "count_correct"]
+           "is_loss_function", "batch_examples", "count_correct", "not_a_tensor"]
 
 
 def is_loss_function(loss: str) -> bool:
@@ -52,7 +52,9 @@ def make_objective(config, task: str | None) -> "NamedLoss | LossFunction":
     if is_loss_function(config.loss):
         return LossFunction(config.loss)
     name = resolve_loss(config, task or "classification")  # no task: auto was refused
-    return NamedLoss(name, name == "cross_entropy")
+    model = ("model.target", config.target) if config.kind == "import" \
+        else ("model.kind", config.kind)
+    return NamedLoss(name, name == "cross_entropy", model)
 
 
 def batch_examples(batch: Any) -> int:
@@ -62,15 +64,22 @@ def batch_examples(batch: Any) -> int:
 
 
 class NamedLoss:
-    """A built-in loss of the model's output for ``x`` against ``y``."""
+    """A built-in loss of the model's output for ``x`` against ``y``. ``model``: the
+    config key and value that name the model (what a failure is blamed on)."""
 
-    def __init__(self, name: str, classify: bool):
+    def __init__(self, name: str, classify: bool,
+                 model: tuple[str, str] = ("model", "the model")):
         self.name, self.classify, self._fn = name, classify, LOSSES[name]
+        self.field, self.model = model
+        self.what = f"{self.model} (loss {name})"
 
     def stats(self, model: torch.nn.Module, batch: Any) -> dict[str, Any]:
         """The summed loss, the examples and, to tally, the output against ``y``."""
         x, y = batch
         output = model(x)
+        if not isinstance(output, torch.Tensor):
+            message, hint = not_a_tensor(self.name, self.model, output)
+            raise UserCodeError(f"model.loss: {message}", hint)
         stats = {"loss": self._fn(output, y), "examples": int(x.shape[0])}
         if self.classify:
             stats["predicted"] = (output, y)  # detached after the run: one op less here
@@ -94,6 +103,7 @@ class LossFunction:
 
     def __init__(self, target: str):
         self.name = target
+        self.field, self.what = "model.loss", target
         self._fn = import_object(target, "model.loss")
         self.classify = False  # until a call returns an accuracy metric
 
@@ -128,6 +138,19 @@ class LossFunction:
         accuracy counts the same however often the count is read)."""
         return sum(int(sum(float(self.tally(stats)["correct"]) for stats in replica))
                    for replica in zip(*runs))
+
+
+RECIPE = ("docs/own-training.md, \"A model that returns a mean loss (Hugging Face "
+          "style)\"")
+
+
+def not_a_tensor(loss: str, model: str, output: Any) -> tuple[str, str]:
+    """Why a named loss cannot take ``output``, and the recipe that fits such a model
+    (the message and the hint)."""
+    return (f"{loss} needs the model's output as a tensor; {model} returned a "
+            f"{type(output).__name__} (a dict of outputs or a Hugging Face ModelOutput?)",
+            "give your own loss function, 'package.module:function', that picks the "
+            f"logits or the loss the model returns: {RECIPE}")
 
 
 def _taken(stats: dict[str, Any]) -> tuple:

@@ -47,6 +47,7 @@ from .errors import NonFiniteLoss, RunError
 from .evaluation import EvalParts, Evaluator
 from .events import Notice, RunResult, RunStarted, StepDone
 from .export import export_final
+from .failures import located
 from .metrics import MetricSinks
 from .models import build_model, count_parameters
 from .objectives import make_objective
@@ -123,7 +124,7 @@ class Session:
                                    self.devices, self.role.sliced)
         self.evaluator = Evaluator(config, EvalParts(
             self.strategy, self.role, self.pipeline, self.objective, self.precision,
-            self.model, forward, emit), holdout)
+            self.model, forward, emit, self.devices), holdout)
         self.seconds = 0.0  # this process's time in fit
         self.step_times = [Curve() for _ in range(self.replicas)]  # this process's (--plot)
 
@@ -229,7 +230,11 @@ class Session:
         replica_step.clear_grads(self.optimizer)
         scale = self.precision.loss_scale()
         t0 = time.perf_counter()
-        outs = [strategy.run(self.replica_step, args=(b, examples, scale)) for b in batches]
+        try:
+            outs = [strategy.run(self.replica_step, args=(b, examples, scale))
+                    for b in batches]
+        except Exception as exc:  # noqa: BLE001 - the user's model or loss: say where
+            raise located(exc, f"step {self.state.step + 1}", self.objective, self.devices)
         t1 = time.perf_counter()
         per_replica, correct = replica_step.replica_numbers(
             [[c.stats for c in strategy.experimental_local_results(carried)]

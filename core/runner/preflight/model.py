@@ -22,7 +22,7 @@ from ...distribute.device_lib import memory_bytes
 from ...distribute.devices import default_compute_devices, default_parameter_device, resolve_device
 from ...distribute.values import map_structure
 from ..models import build_model, check_model, model_bytes, resolve_loss
-from ..objectives import NamedLoss, is_loss_function, make_objective
+from ..objectives import NamedLoss, is_loss_function, make_objective, not_a_tensor
 from .devices import gib
 
 __all__ = ["check_model_on_data", "check_fit", "check_model_memory"]
@@ -73,11 +73,15 @@ def check_fit(config, data, sample: Any) -> list[Problem]:
         return exc.problems
     except UserCodeError as exc:
         if exc.__cause__ is None:  # a wrong shape: as wrong on CPU
-            return [Problem("model.loss", str(exc).removeprefix("model.loss: "))]
+            return [_problem(exc)]
         reason = str(exc.__cause__)
     except Exception as exc:  # noqa: BLE001 - a user's model may raise anything on meta
         reason = f"{type(exc).__name__}: {exc}"
     return _check_on_cpu(config, data, sample, reason)
+
+
+def _problem(exc: UserCodeError) -> Problem:
+    return Problem("model.loss", exc.message.removeprefix("model.loss: "), exc.hint)
 
 
 def _to_meta(leaf: Any) -> Any:
@@ -88,8 +92,11 @@ def _run(model: torch.nn.Module, objective, batch: Any, outputs: int | None) -> 
     """The objective on ``batch``; a named loss first checks the output's shape."""
     if isinstance(objective, NamedLoss) and outputs is not None:
         out = model(batch[0])
-        if not isinstance(out, torch.Tensor) or tuple(out.shape[1:]) != (outputs,):
-            shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError([Problem("model.loss", *not_a_tensor(objective.name,
+                                                                    objective.model, out))])
+        if tuple(out.shape[1:]) != (outputs,):
+            shape = list(out.shape)
             raise ConfigError([Problem("model", f"the model outputs {shape} for a batch of "
                                        f"2; the data needs [2, {outputs}]", "set the model's"
                                        " output size to the classes (or targets)")])
@@ -113,7 +120,7 @@ def _check_on_cpu(config, data, sample: Any, reason: str) -> list[Problem]:
     except ConfigError as exc:
         return exc.problems
     except UserCodeError as exc:
-        return [Problem("model.loss", str(exc).removeprefix("model.loss: "))]
+        return [_problem(exc)]
     except Exception as exc:  # noqa: BLE001
         return [Problem("model", describe_failure("the model on a real batch of 2 "
                                                   "examples", exc))]
