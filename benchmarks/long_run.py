@@ -78,8 +78,7 @@ def _watch(process: subprocess.Popen, checkpoints: pathlib.Path, args) -> list[d
             try:
                 info = json.loads(manifest.read_text())
                 sample = {"step": info["step"], "checkpoint_bytes": info["bytes"],
-                          "rss_mib": watched.memory_info().rss / 2**20,
-                          "open_files": watched.num_fds(), "threads": watched.num_threads()}
+                          **_readings(watched)}
             except (OSError, ValueError, psutil.Error):
                 continue  # pruned or ended meanwhile: the next one is sampled
             samples.append(sample)
@@ -87,6 +86,20 @@ def _watch(process: subprocess.Popen, checkpoints: pathlib.Path, args) -> list[d
                            for k, v in sample.items()), flush=True)
         time.sleep(0.2)
     return samples
+
+
+def _readings(watched: psutil.Process, count: int = 5) -> dict:
+    """The process's memory, files and threads, read ``count`` times 50 ms apart: the
+    median memory, and the fewest files and threads (a save holds a file or two open
+    for a moment, which is not growth)."""
+    reads = []
+    for _ in range(count):
+        reads.append((watched.memory_info().rss / 2**20, watched.num_fds(),
+                      watched.num_threads()))
+        time.sleep(0.05)
+    memory, files, threads = zip(*reads)
+    return {"rss_mib": sorted(memory)[count // 2], "open_files": min(files),
+            "threads": min(threads)}
 
 
 def _report(samples: list[dict], result_bytes: int, wall: float, args) -> int:
