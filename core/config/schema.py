@@ -447,7 +447,9 @@ class ScheduleConfig(_Section):
     """A learning-rate schedule: any `torch.optim.lr_scheduler` class."""
 
     name: str = Field(description="Class in `torch.optim.lr_scheduler` (`StepLR`, "
-                      "`CosineAnnealingLR`, `OneCycleLR`, ...).")
+                      "`CosineAnnealingLR`, `OneCycleLR`, ...). `ReduceLROnPlateau` steps on "
+                      "`eval_loss` after each evaluation with `train.eval_every`, else on "
+                      "the mean training loss of each `interval`; it cannot be chained.")
     kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Its keyword "
                                    "arguments (not `optimizer`).")
     interval: Literal["step", "epoch"] = Field("step", description="Call `scheduler.step()` "

@@ -187,7 +187,8 @@ class Evaluator:
     def state_dict(self) -> dict:
         return {"evaluations": self.evaluations.state_dict(),
                 "watches": {"stopper": self.stopper and self.stopper.state(),
-                            "best": self.best and self.best.state()}}
+                            "best": self.best and self.best.state()},
+                "early_stopped": self.early_stopped}
 
     def load_state_dict(self, payload: dict) -> None:
         self.evaluations = Thinned()
@@ -201,3 +202,13 @@ class Evaluator:
         for name in ("stopper", "best"):
             if getattr(self, name) is not None:
                 getattr(self, name).load(watches.get(name))
+        self.early_stopped = self._stopped(payload.get("early_stopped"), payload["step"])
+
+    def _stopped(self, saved: dict | None, step: int) -> dict | None:
+        """Whether the checkpointed run had stopped early, by today's ``patience``: a
+        run resumed with a larger one trains on."""
+        stopper = self.stopper
+        if stopper is None or stopper.bad < self.config.train.early_stopping.patience:
+            return None
+        return saved or {"step": step, "metric": stopper.metric, "best": stopper.best,
+                         "best_step": stopper.best_step}  # (older checkpoints lack it)

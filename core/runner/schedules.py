@@ -21,7 +21,8 @@ from ..config.problems import ConfigError, Problem
 from ..config.schema import ScheduleConfig
 from ..config.targets import lookup_class, parameters_hint
 
-__all__ = ["schedule_names", "build_schedule", "schedule_interval"]
+__all__ = ["schedule_names", "build_schedule", "schedule_interval", "takes_metric",
+           "ScheduleSteps"]
 
 
 def schedule_names() -> list[str]:
@@ -57,6 +58,10 @@ def build_schedule(config: "ScheduleConfig | list[ScheduleConfig] | None",
     problems += [Problem(f"optimizer.schedule.{i}.interval", f"{link.interval!r} differs from "
                          f"the chain's {config[0].interval!r}", "one interval for the chain")
                  for i, link in enumerate(config) if link.interval != config[0].interval]
+    problems += [Problem(f"optimizer.schedule.{i}.name", f"{link.name} steps on a metric, "
+                         "which a chain (SequentialLR) cannot give it",
+                         "use it alone, not in a chain")
+                 for i, link in enumerate(config) if len(config) > 1 and link.name == _PLATEAU]
     if problems:
         raise ConfigError(problems)
     links = [_one(link, optimizer, f"optimizer.schedule.{i}") for i, link in enumerate(config)]
@@ -74,3 +79,44 @@ def _one(config: ScheduleConfig, optimizer: torch.optim.Optimizer, field: str):
     except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError([Problem(f"{field}.kwargs", f"{config.name}: {exc}",
                                    parameters_hint(cls, {"optimizer"}))]) from None
+
+
+_PLATEAU = "ReduceLROnPlateau"
+
+
+def takes_metric(schedule) -> bool:
+    """Whether ``schedule.step`` needs a metric (``ReduceLROnPlateau``)."""
+    return isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+class ScheduleSteps:
+    """When a run steps its schedule: after every optimizer step or every pass over the
+    data (``interval``). A schedule that steps on a metric (``ReduceLROnPlateau``) gets
+    ``eval_loss`` after each evaluation when the run ``evaluates`` during training
+    (``train.eval_every``; the interval then does not matter), else the mean training
+    loss of each interval, as a plain loop would give it."""
+
+    def __init__(self, schedule, interval: str | None, evaluates: bool):
+        self.schedule, self.interval = schedule, interval
+        self.metric = takes_metric(schedule)
+        self.on_loss = self.metric and not evaluates
+
+    def after_update(self) -> None:
+        if self.schedule is not None and not self.metric and self.interval == "step":
+            self.schedule.step()
+
+    def after_step(self, loss: float) -> None:
+        if self.on_loss and self.interval == "step":
+            self.schedule.step(loss)
+
+    def after_pass(self, mean_loss: float) -> None:
+        if self.schedule is None or self.interval != "epoch":
+            return
+        if not self.metric:
+            self.schedule.step()
+        elif self.on_loss:
+            self.schedule.step(mean_loss)
+
+    def after_evaluation(self, eval_loss: float) -> None:
+        if self.metric and not self.on_loss:
+            self.schedule.step(eval_loss)

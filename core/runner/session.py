@@ -57,7 +57,7 @@ from .precision import Precision
 from .result import run_result
 from .rng import GlobalGenerators, seed_everything
 from .roles import LocalRole, Role
-from .schedules import build_schedule, schedule_interval
+from .schedules import ScheduleSteps, build_schedule, schedule_interval
 from .state import TrainState
 
 __all__ = ["Outputs", "Session", "run_session"]
@@ -134,7 +134,9 @@ class Session:
             self.model = build_model(config.model, self.data.feature_shape, self.data.outputs)
             self.optimizer = build_optimizer(config.optimizer, self.model.named_parameters())
             self.schedule = build_schedule(config.optimizer.schedule, self.optimizer)
-        self.interval = schedule_interval(config.optimizer.schedule)
+        self.schedule_steps = ScheduleSteps(self.schedule,
+                                            schedule_interval(config.optimizer.schedule),
+                                            evaluates=bool(config.train.eval_every))
         unmatched = unmatched_groups(config.optimizer,
                                      (n for n, _ in self.model.named_parameters()))
         if unmatched:
@@ -163,6 +165,11 @@ class Session:
         state = self.state
         self.emit(Notice(f"resumed from step {state.step} (epoch {state.epoch}, batch "
                          f"{state.position}) of {self.checkpoints.saved_path}"))
+        stopped = self.evaluator.early_stopped
+        if stopped:
+            self.emit(Notice(f"the run stopped early at step {stopped['step']} "
+                             f"({stopped['metric']} did not improve): nothing to train "
+                             "(raise train.early_stopping.patience to go on)"))
         if state.step > self.total_steps:  # train.steps was lowered since
             self.emit(Notice(f"the checkpoint's step {state.step} is past the "
                              f"{self.total_steps} steps configured: nothing to train "
@@ -191,9 +198,7 @@ class Session:
                     break
                 if state.position == start_position == 0:
                     raise RunError(f"the pipeline yielded no step in epoch {state.epoch}")
-                state.epoch, state.position = state.epoch + 1, 0  # the pass ended
-                if self.schedule is not None and self.interval == "epoch":
-                    self.schedule.step()
+                self.schedule_steps.after_pass(state.end_pass())  # the pass ended
         self.seconds += time.perf_counter() - begin
         if stop.is_set():
             self.emit(Notice(f"interrupted after step {state.step}"))
@@ -258,8 +263,7 @@ class Session:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         self.precision.step(self.optimizer)
-        if self.schedule is not None and self.interval == "step":
-            self.schedule.step()
+        self.schedule_steps.after_update()
         return norm
 
     def _check_finite(self, per_replica: Sequence[dict]) -> None:
@@ -278,6 +282,7 @@ class Session:
         checkpoint when they are due."""
         state, train = self.state, self.config.train
         state.record(per_replica, correct, loss, phases, batches)
+        self.schedule_steps.after_step(loss)
         seconds = [s["seconds"] for s in per_replica]
         if self.outputs.plot:
             for curve, replica_seconds in zip(self.step_times, seconds):
@@ -289,7 +294,10 @@ class Session:
             self._log()
         if train.eval_every and state.step % train.eval_every == 0:
             # before a save at this step: it holds the new best
-            if self.evaluator.during(state.step, state.epoch, self.sinks):
+            best = self.evaluator.during(state.step, state.epoch, self.sinks)
+            if self.evaluator.last is not None and self.evaluator.last.step == state.step:
+                self.schedule_steps.after_evaluation(self.evaluator.last.loss)
+            if best:
                 self.checkpoints.keep_best(state.step)  # first: this save's pruning keeps it
                 self.save()
         every = self.config.checkpoint.every_steps

@@ -38,6 +38,7 @@ class TrainState:
         self.step = self.epoch = self.position = 0
         self.curve = Curve()
         self.first_loss: float | None = None
+        self.pass_loss, self.pass_steps = 0.0, 0  # this pass's, for a schedule on it
         self.recent: collections.deque[float] = collections.deque(maxlen=recent)
         self.totals, self.window = Tally(replicas), Tally(replicas)
         self.session = Tally(replicas)
@@ -54,9 +55,19 @@ class TrainState:
             tally.add(per_replica, phases)
         self.pending_correct.add(correct)
 
+    def end_pass(self) -> float:
+        """The pass over the data ended: the next one begins; returns the ended pass's
+        mean step loss."""
+        mean = self.pass_loss / max(self.pass_steps, 1)
+        self.epoch, self.position = self.epoch + 1, 0
+        self.pass_loss, self.pass_steps = 0.0, 0
+        return mean
+
     def _add_loss(self, loss: float) -> None:
         if self.first_loss is None:
             self.first_loss = loss
+        self.pass_loss += loss
+        self.pass_steps += 1
         self.curve.add(loss)
         self.recent.append(loss)
 
@@ -92,6 +103,7 @@ class TrainState:
                 "loss_curve": self.curve.state_dict(), "first_loss": self.first_loss,
                 "recent_losses": padded(list(self.recent), self.recent.maxlen),
                 "recent_kept": len(self.recent),
+                "pass_loss": [self.pass_loss, self.pass_steps],
                 "totals": self.totals.state_dict(), "window": self.window.state_dict(),
                 "last_log": self.last_log.to_dict() if self.last_log else None}
 
@@ -108,6 +120,7 @@ class TrainState:
             self.first_loss = payload["first_loss"]
             self.recent.clear()
             self.recent.extend(payload["recent_losses"][:payload["recent_kept"]].tolist())
+        self.pass_loss, self.pass_steps = payload.get("pass_loss", (0.0, 0))
         self.totals.load_state_dict(payload["totals"])
         self.window.load_state_dict(payload["window"])
         last = payload.get("last_log")
