@@ -11,6 +11,9 @@ Defaults: the lowest torch pyproject.toml allows and the newest pip can install 
     python benchmarks/torch_versions.py 2.4.0 2.9.1        # chosen releases, one at a time
     python benchmarks/torch_versions.py --cache /tmp/tv --json /tmp/tv.json --fresh
 
+A release below pyproject's bound is refused up front (pip would refuse csrun next to it):
+lower the bound there to try one.
+
 Not a test: pytest collects only tests/ and CI does not run it; run it by hand when the
 torch bound in pyproject.toml moves, and put its verdicts in README's "Set up". A venv is
 kept for the next run and rebuilt when a run broke off while building it; pip's output
@@ -136,7 +139,7 @@ def pip_errors(log: Path) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     start = max(i for i, line in enumerate(lines) if line.startswith("$ "))
     keep = [line.strip() for line in lines[start:]
-            if line.startswith("ERROR:") or "(constraint)" in line]
+            if line.startswith("ERROR:") or "(constraint)" in line or "depends on" in line]
     text = " / ".join(keep) or (lines[-1] if lines else "no output")
     return text if len(text) <= 400 else text[:400] + " ..."
 
@@ -181,7 +184,8 @@ def prepare(venv: Path, version: str, numpy: str | None, args) -> dict:
     differs from what is wanted (pyproject.toml edited, another checkout, another numpy)
     gets pip run again, which only changes what changed.
     """
-    marker, python, want = venv / "csrun-ready.json", venv / "bin" / "python", wanted(version, numpy)
+    marker, python = venv / "csrun-ready.json", venv / "bin" / "python"
+    want = wanted(version, numpy)
     ready = json.loads(marker.read_text()) if marker.exists() else None
     if ready and ready.get("want") == want and not args.fresh:
         return ready
@@ -219,8 +223,9 @@ def check(python: Path, version: str, log: Path) -> dict:
     status = run([python, "-c", CHECK], 300, out)
     last = (out.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
     if status != 0:
+        hint = "; a NumPy mismatch? try --numpy '<2'" if "numpy" in last.lower() else ""
         raise SetupError(f"torch=={version} installed but csrun cannot use it: {last} "
-                         f"(log: {out}; a NumPy mismatch? try --numpy '<2')")
+                         f"(log: {out}{hint})")
     torch_v, numpy_v, csrun_dir = last.split()
     if release(torch_v) != release(version):
         raise SetupError(f"asked for torch {version}, pip installed {torch_v} (log: {log})")
@@ -264,6 +269,10 @@ def one_version(version: str, args) -> dict:
     venv = args.cache / tag
     print(f"torch {version}: setting up {venv} ...", file=sys.stderr, flush=True)
     try:
+        lowest = pyproject_lowest()
+        if release(version) < release(lowest):  # pip would refuse csrun next to it
+            raise SetupError(f"torch {version} is below pyproject.toml's torch>={lowest}; "
+                             f"lower that bound to try it")
         ready = prepare(venv, version, numpy, args)
     except SetupError as error:
         return {"torch": version, "verdict": "not set up", "reason": str(error)}
