@@ -8,7 +8,7 @@ and prints one verdict line per version; a JSON summary goes next to the venvs.
 Defaults: the lowest torch pyproject.toml allows and the newest pip can install here.
 
     python benchmarks/torch_versions.py                    # pyproject's lowest, newest here
-    python benchmarks/torch_versions.py 2.4.0 2.9.1        # chosen releases, one at a time
+    python benchmarks/torch_versions.py 2.13.0 2.14.1      # chosen releases, one at a time
     python benchmarks/torch_versions.py --cache /tmp/tv --json /tmp/tv.json --fresh
 
 A release below pyproject's bound is refused up front (pip would refuse csrun next to it):
