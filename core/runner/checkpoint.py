@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import stat
 import tempfile
 from typing import Any
 
@@ -28,9 +29,11 @@ import torch
 from .digests import file_sha256
 from .dir_lock import DirectoryLock
 
-__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "write_atomic"]
+__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "write_atomic", "json_object"]
 
 FORMAT = 1
+# a manifest is a few kilobytes (its identity holds the config, itself at most 1 MiB)
+MANIFEST_MAX_BYTES = 4 << 20
 _NAME = re.compile(r"^ckpt-(\d{8,})\.json$")
 
 
@@ -93,6 +96,31 @@ def _fsync_dir(directory: pathlib.Path) -> None:
             os.close(fd)
 
 
+def json_object(path: pathlib.Path, what: str, limit: int, advice: str = "") -> dict:
+    """The JSON object in the regular file ``path``, read only if it is one and holds at
+    most ``limit`` bytes (a FIFO would block the read, a device never end it).
+
+    Raises:
+      CheckpointError: it is not a regular file, too big, unreadable, or not an object.
+    """
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{what} {str(path)!r} is not a regular file{advice}")
+        if info.st_size > limit:
+            raise CheckpointError(f"{what} {str(path)!r} holds {info.st_size} bytes, more "
+                                  f"than a {what} can ({limit}){advice}")
+        with open(path, "rb") as f:
+            data = json.loads(f.read(limit + 1).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
+        reason = "it nests too deeply" if isinstance(exc, RecursionError) else exc
+        raise CheckpointError(f"{what} {str(path)!r} is unreadable: {reason}{advice}") \
+            from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {str(path)!r} is not a JSON object{advice}")
+    return data
+
+
 class _suppress:
     def __enter__(self):
         return self
@@ -117,11 +145,27 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int, identity: dict[str, Any]):
-        self.directory = pathlib.Path(directory)
+        self.given = pathlib.Path(directory)
         self.keep = keep
         self.identity = identity
         self._lock: DirectoryLock | None = None
+        self._claimed: pathlib.Path | None = None  # the folder the lock is in
         self.best_step: int | None = None  # survives the rotation (checkpoint.keep_best)
+
+    @property
+    def directory(self) -> pathlib.Path:
+        """Where the checkpoints are: ``checkpoint.dir``, or, if it is a symlink that was
+        pointed elsewhere since the run claimed it, the folder it claimed (where its lock
+        is): the run's saves and pruning never move into another run's folder."""
+        if self._claimed is not None and self.moved:
+            return self._claimed
+        return self.given
+
+    @property
+    def moved(self) -> bool:
+        """``checkpoint.dir`` no longer leads to the folder this run claimed."""
+        return self._claimed is not None and \
+            pathlib.Path(os.path.realpath(self.given)) != self._claimed
 
     def claim(self) -> None:
         """Own the directory for this run (:class:`DirectoryLock`); before anything in
@@ -131,15 +175,18 @@ class CheckpointManager:
           ConfigError: another run holds it (exit code 2).
         """
         if self._lock is None:
-            self._lock = DirectoryLock(self.directory)
+            real = pathlib.Path(os.path.realpath(self.given))
+            self._lock = DirectoryLock(real, shown=self.given)
+            self._claimed = real
 
     def release(self) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
-    def save(self, step: int, payload: dict) -> pathlib.Path:
-        """Write the checkpoint of ``step`` atomically; prune old ones. Returns its path.
+    def save(self, step: int, payload: dict, *, replace: bool = False) -> pathlib.Path:
+        """Write the checkpoint of ``step`` atomically; prune old ones (``replace``: every
+        other one, an earlier run's, once this one is durable). Returns its path.
 
         Raises:
           CheckpointError: it could not be written (a full disk, no permission); the
@@ -162,6 +209,8 @@ class CheckpointManager:
             raise CheckpointError(f"cannot write a checkpoint to {str(self.directory)!r} "
                                   f"(step {step}): {exc.strerror or exc}; "
                                   f"{self._newest()}") from None
+        if replace:
+            self.clear(keep=step)
         self._prune()
         return path
 
@@ -200,9 +249,11 @@ class CheckpointManager:
         """The payload path of ``step``'s checkpoint."""
         return self.directory / f"ckpt-{step:08d}.pt"
 
-    def clear(self) -> int:
-        """Remove every checkpoint in the directory (a run starting over); returns how many."""
-        manifests = self.manifests()
+    def clear(self, keep: int | None = None) -> int:
+        """Remove every checkpoint in the directory but the one of step ``keep`` (a run
+        starting over); returns how many."""
+        manifests = [m for m in self.manifests() if m.name != f"ckpt-{keep:08d}.json"] \
+            if keep is not None else self.manifests()
         for manifest in manifests:
             with _suppress():
                 manifest.unlink()
@@ -250,14 +301,7 @@ class CheckpointManager:
         return payload, manifest
 
     def _read_manifest(self, path: pathlib.Path, advice: str) -> dict:
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint manifest {str(path)!r} is unreadable: "
-                                  f"{exc}{advice}") from None
-        if not isinstance(manifest, dict):
-            raise CheckpointError(f"checkpoint manifest {str(path)!r} is not a JSON object"
-                                  f"{advice}")
+        manifest = json_object(path, "checkpoint manifest", MANIFEST_MAX_BYTES, advice)
         missing = {"format", "step", "file", "bytes", "sha256", "identity"} - set(manifest)
         if missing:
             raise CheckpointError(f"checkpoint manifest {str(path)!r} lacks "

@@ -87,6 +87,10 @@ class Checkpointer:
         self.saved_step: int | None = None
         self.saved_path: str | None = None
         self.resumed_from: int | None = None
+        # how steps are computed; a resume with others goes on, and says so
+        self.settings = {"train.accumulate_steps": config.train.accumulate_steps,
+                         "train.grad_clip_norm": config.train.grad_clip_norm}
+        self._moved_noted = False
         self.manager = self._manager(config, replicas) if self.directory and is_chief \
             else None
 
@@ -109,22 +113,38 @@ class Checkpointer:
     def best_path(self, step: int) -> str | None:
         return str(self.manager.path_of(step)) if self.manager is not None else None
 
+    def _note_moved(self) -> None:
+        if self.manager.moved and not self._moved_noted:
+            self._moved_noted = True
+            self.emit(Notice(f"checkpoint.dir {self.directory!r} now leads elsewhere; this "
+                             f"run keeps saving in {str(self.manager.directory)!r}, the "
+                             "folder it started in (and holds the lock of)"))
+
+    def _note_settings(self, saved: dict | None) -> None:
+        changed = [f"{key} {value} (the checkpoint's run had {saved[key]})"
+                   for key, value in self.settings.items()
+                   if saved is not None and key in saved and saved[key] != value]
+        if changed:
+            self.emit(Notice(f"resumed with {', '.join(changed)}: from here the steps "
+                             "differ from those of an uninterrupted run"))
+
     def save(self, step: int, parts: Sequence[Stateful]) -> None:
         """Write the checkpoint of ``step`` (once per step; none before the first)."""
         if self.manager is None or self.saved_step == step or step == 0:
             return
-        if self.saved_step is None and self.resumed_from is None:
-            # a run that starts over replaces the checkpoints of earlier runs, so that
-            # --resume never picks an older run's newer step
-            removed = self.manager.clear()
-            if removed:
-                self.emit(Notice(f"started over (no --resume): replaced {removed} "
-                                 f"checkpoint(s) of an earlier run in "
-                                 f"{str(self.manager.directory)!r}"))
-        payload: dict = {}
+        self._note_moved()
+        # a run that starts over replaces the checkpoints of earlier runs, so that
+        # --resume never picks an older run's newer step: once its own is durable
+        fresh = self.saved_step is None and self.resumed_from is None
+        earlier = len(self.manager.manifests()) if fresh else 0
+        payload: dict = {"settings": self.settings}
         for part in parts:
             payload.update(part.state_dict())
-        path = self.manager.save(step, payload)
+        path = self.manager.save(step, payload, replace=fresh)
+        if earlier:
+            self.emit(Notice(f"started over (no --resume): replaced {earlier} "
+                             f"checkpoint(s) of an earlier run in "
+                             f"{str(self.manager.directory)!r}"))
         self.saved_step, self.saved_path = step, str(path)
         self.emit(CheckpointSaved(step, str(path)))
 
@@ -149,6 +169,7 @@ class Checkpointer:
                                   f"optimizer: {type(exc).__name__}: {exc}") from None
         self.resumed_from = self.saved_step = payload["step"]
         self.saved_path = path
+        self._note_settings(payload.get("settings"))  # (older checkpoints have none)
         return payload
 
     def note(self) -> str:

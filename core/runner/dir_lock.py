@@ -27,8 +27,10 @@ class DirectoryLock:
       ConfigError: another process holds it (exit code 2), naming it and its pid.
     """
 
-    def __init__(self, directory: str | os.PathLike, field: str = "checkpoint.dir"):
+    def __init__(self, directory: str | os.PathLike, field: str = "checkpoint.dir",
+                 shown: str | os.PathLike | None = None):
         directory = pathlib.Path(directory)
+        shown = str(directory if shown is None else shown)  # the path as the user gave it
         directory.mkdir(parents=True, exist_ok=True)
         # a file object, not a bare fd: if the run fails to start, collecting it unlocks
         self._file = open(directory / LOCK_NAME, "a+", encoding="utf-8")
@@ -40,7 +42,7 @@ class DirectoryLock:
             self._file.close()
             who = f"pid {holder}" if holder.isdigit() else "another process"
             raise ConfigError([Problem(
-                field, f"{str(directory)!r} is in use by another run ({who})",
+                field, f"{shown!r} is in use by another run ({who})",
                 "wait for that run to end (or stop it), or give this run another "
                 "checkpoint.dir; two runs in one directory delete each other's "
                 "checkpoints")]) from None
