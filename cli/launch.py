@@ -8,13 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.runner.launch import launch as run_job
-from csrun.core.runner.launch import plan_launch
-from csrun.core.runner.signals import stop_on_signals
-
-from .outcomes import reporting
-from .render import View, clean_floats, write_json
-
 
 def launch(
     config: Annotated[str, typer.Argument(
@@ -50,6 +43,14 @@ def launch(
     1 the job failed (naming the task), 2 bad config or usage (nothing started), 130/143
     stopped by Ctrl-C/SIGTERM (the chief saves a checkpoint first).
     """
+    # csrun.core (torch) and the rendering are imported when the command runs, not with
+    # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    from csrun.core.runner.launch import launch as run_job
+    from csrun.core.runner.launch import plan_launch
+    from csrun.core.runner.signals import stop_on_signals
+
+    from .outcomes import reporting
+    from .render import View, clean_floats, write_json
     view = View(json_to_stdout=json_path == "-")
     with reporting(view, json_path, config=config):
         plan = plan_launch(config, overrides or [], workers=workers, ps=ps, chief=chief,

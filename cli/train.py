@@ -7,12 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.runner.session import Outputs
-from csrun.core.runner.train import task_name, train_from_file
-
-from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
-from .render import View, clean_floats, write_json
-
 
 def train(
     config: Annotated[str, typer.Argument(
@@ -42,6 +36,13 @@ def train(
     Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage, 130 interrupted by Ctrl-C,
     143 by SIGTERM (both save a checkpoint first).
     """
+    # csrun.core (torch) and the rendering are imported when the command runs, not with
+    # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    from csrun.core.runner.session import Outputs
+    from csrun.core.runner.train import task_name, train_from_file
+
+    from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
+    from .render import View, clean_floats, write_json
     view = View(json_to_stdout=json_path == "-")
     with reporting(view, json_path, config=config,
                    outputs={"--metrics": metrics, "--plot": plot}):

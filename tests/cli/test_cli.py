@@ -96,7 +96,7 @@ def test_resume_without_checkpoint_dir_is_a_usage_error(cli, tiny):
 def test_unexpected_errors_are_one_line_not_a_traceback(cli, tiny, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("kaboom")
-    monkeypatch.setattr("csrun.cli.train.train_from_file", boom)
+    monkeypatch.setattr("csrun.core.runner.train.train_from_file", boom)
     result = cli("train", tiny)
     assert result.exit_code == 1
     assert "error: RuntimeError: kaboom" in result.stderr and "Traceback" not in result.stderr
