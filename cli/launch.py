@@ -34,7 +34,8 @@ def launch(
         "task's exit code) as JSON to PATH (- for stdout).")] = None,
     logs: Annotated[Optional[str], typer.Option(
         "--logs", metavar="DIR", help="Keep each task's stdout and stderr in DIR (default: "
-        "a new temporary directory, named at the start).")] = None,
+        "a temporary directory, removed at the end unless the job failed or lost a "
+        "worker).")] = None,
 ) -> None:
     """Launch a parameter-server job on this machine: one `csrun train` process per task,
     on loopback, each with its own TF_CONFIG; their output prefixed by task.
@@ -58,7 +59,8 @@ def launch(
         view.launch_started(plan)
         stop, received = threading.Event(), []
         with stop_on_signals(stop, received):
-            result = run_job(plan, view.on_launch_event, stop, received)
+            result = run_job(plan, view.on_launch_event, stop, received,
+                             environ=view.task_environ())
         view.launch_summary(result)
         if json_path:
             write_json(json_path, clean_floats(result.to_dict()))

@@ -49,13 +49,13 @@ def train(
         result = train_from_file(config, overrides or [], resume=resume,
                                  outputs=Outputs(metrics, plot, tensorboard, json_path),
                                  on_event=view.on_event)
-        view.summary(result)
+        view.summary(result, {"plot": plot, "metrics": metrics, "tensorboard": tensorboard})
         code = OK if result.status != "interrupted" else \
             TERMINATED if result.signal == "SIGTERM" else INTERRUPTED
         if json_path:
-            write_json(json_path.replace("{task}", task_name(result)), clean_floats({**result.to_dict(), "config": config,
-                                                "overrides": overrides or [],
-                                                "exit_code": code}))
+            write_json(json_path.replace("{task}", task_name(result)), clean_floats(
+                {**result.to_dict(), "config": config, "overrides": overrides or [],
+                 "exit_code": code}))
     if code in (INTERRUPTED, TERMINATED):
         role = getattr(result, "cluster", {}).get("role")  # in a cluster, the chief saves
         view.interrupted(getattr(result, "checkpoint", {}).get("last"),

@@ -110,7 +110,7 @@ def test_a_completed_job_with_a_lost_worker_exits_0_and_says_so(cli, ps_tiny, mo
     result = cli("launch", ps_tiny, "--workers", "2", "--ps", "1", "--json",
                  tmp_path / "r.json", "--logs", tmp_path / "logs")
     assert result.exit_code == 0, result.stderr
-    assert "csrun launch: 1 ps, 2 worker on loopback" in result.stdout
+    assert "csrun launch: 1 ps, 2 workers on loopback" in result.stdout
     assert "csrun launch: completed in 3.0 s (ps:0 exit 0, worker:0 exit 0, worker:1 " \
         "killed by SIGKILL)" in result.stdout
     assert "lost workers: worker:1" in result.stdout
