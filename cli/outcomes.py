@@ -86,16 +86,16 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
 
 @contextlib.contextmanager
 def _notices(view: View):
-    """Show the config checks' notices (:class:`ConfigNotice`) as notes."""
+    """Show the config checks' notices (:class:`ConfigNotice`) as notes, and any other
+    warning (csrun's, torch's) on a line of the view's, fitted as every line is."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", ConfigNotice)
-        shown = warnings.showwarning
 
-        def show(message, category, *args, **kwargs):
+        def show(message, category, filename, lineno, *args, **kwargs):
             if issubclass(category, ConfigNotice):
                 view.on_event(Notice(str(message)))
             else:
-                shown(message, category, *args, **kwargs)
+                view.warning(f"{category.__name__}: {message}", f"{filename}:{lineno}")
         warnings.showwarning = show
         yield
 

@@ -235,6 +235,11 @@ class View:
             else f"; no checkpoint saved ({saved_nothing})"
         say(self.err, f"[yellow]interrupted[/]{where}")
 
+    def warning(self, message: str, where: str) -> None:
+        """A Python warning raised during the command (Python would print it unwrapped,
+        with a line of source)."""
+        say(self.err, f"[yellow]warning:[/] {escape(message)} ({escape(where)})")
+
     def aborted(self) -> None:
         self.close()
         say(self.err, "[yellow]aborted[/] (second Ctrl-C): nothing saved from this step")

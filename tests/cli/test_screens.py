@@ -17,11 +17,13 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 from rich.cells import cell_len
 from typer.testing import CliRunner
 
+from csrun.cli import entry
 from csrun.cli.main import app
 from csrun.core.runner.events import RunResult
 from csrun.core.runner.launch import LaunchResult, TaskExited, TaskOutput, TaskStarted
@@ -129,11 +131,14 @@ def replay(recorded, monkeypatch):
     """The run's events and result, given to the CLI's ``train`` as a run would."""
     folder, events, result = recorded
     monkeypatch.chdir(folder)
-    replayed = {"result": result}
+    replayed = {"result": result, "events": list(events)}
 
     def train(config, overrides, *, resume, outputs, on_event):
-        for event in events:
-            on_event(event)
+        for event in replayed["events"]:
+            if isinstance(event, _Warn):
+                warnings.warn(event.message, RuntimeWarning)
+            else:
+                on_event(event)
         return replayed["result"]
     monkeypatch.setattr("csrun.core.runner.train.train_from_file", train)
     return replayed
@@ -151,6 +156,22 @@ def test_train_interrupted_by_ctrl_c(replay):
     assert "(continue with --resume)" in _lines(shown)[-2], shown  # whole, on one line
 
 
+def test_a_warning_during_the_run(replay):
+    events = list(replay["events"])
+    replay["events"][:] = [_Warn("replicas drew random numbers from torch's global CPU "
+                                 "generator (dropout); csrun runs this strategy's replicas "
+                                 "in order from now on"), *events]
+    check_screen(["train", "tiny.yaml"], progress=True)
+    assert "warning: RuntimeWarning: replicas drew" in _render(["train", "tiny.yaml"], None)
+
+
+class _Warn:
+    """An event that warns as it is replayed, as the engine does during a step."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
 @pytest.mark.parametrize("raised", [KeyboardInterrupt(), RuntimeError("x " * 80)])
 def test_ctrl_c_before_training_and_a_long_failure(tmp_path, monkeypatch, raised):
     def train(*args, **kwargs):
@@ -159,6 +180,17 @@ def test_ctrl_c_before_training_and_a_long_failure(tmp_path, monkeypatch, raised
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.yaml").write_text(TINY)
     check_screen(["train", "tiny.yaml"])
+
+
+def test_ctrl_c_while_csrun_starts(monkeypatch):
+    """The first instant's Ctrl-C line (standard library only: rich is not loaded)."""
+    message = "interrupted (SIGINT) while no training step ran; nothing to save"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    for width in WIDTHS:
+        monkeypatch.setenv("COLUMNS", str(width))
+        lines = entry.fitted(message).splitlines()
+        assert max(map(len, lines)) <= width
+        assert " ".join(line.strip() for line in lines) == message
 
 
 def test_validate_errors(tmp_path, monkeypatch):
