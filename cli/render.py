@@ -304,7 +304,8 @@ class View:
         # epochs counted from 1, as "15.00 epochs" is: the last step is in epoch 15
         say(self.out, f"[bold]step {e.step}/{e.total_steps}[/] · epoch {e.epoch + 1} · loss "
                       f"{_loss(e.loss)}{accuracy} · lr {e.learning_rate:.3g}")
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)  # narrow: fits beside a prefix
+        # no side borders: narrow enough beside a `[worker:0] ` prefix
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for column in ("replica", "device", "examples", "loss", "step time"):
             table.add_column(column, justify="right" if column != "device" else "left")
         for r in e.replicas:
@@ -512,7 +513,7 @@ class View:
                  "model": d.get("model", "-"), "capability": d.get("capability", "-")}
                 for d in report["devices"]]
         columns = [c for c in rows[0] if any(r[c] != "-" for r in rows)] if rows else []
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for column in columns:
             table.add_column(column, no_wrap=True)
         for r in rows:

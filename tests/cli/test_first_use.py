@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import subprocess
 import sys
 import uuid
@@ -77,7 +78,8 @@ def test_a_package_beside_the_config_is_found_from_another_folder(cli, tmp_path,
     result = cli("validate", "configs/run.yaml")
     assert result.exit_code == 0, result.stderr
     beside = str(config.parent.resolve())
-    assert sys.path.index(beside) == sys.path.index(str(tmp_path)) + 1  # after the cwd
+    cwd = next(i for i, entry in enumerate(sys.path) if entry in ("", os.getcwd()))
+    assert sys.path.index(beside) == cwd + 1  # right after the current folder
     other = tmp_path / "other"
     (other / "configs").mkdir(parents=True)
     (other / "configs" / "x.yaml").write_text(CONFIG.replace("NAME", name + "_missing"))
