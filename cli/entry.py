@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import sys
+import textwrap
 
 __all__ = ["main"]
 
@@ -55,9 +57,18 @@ def _stop_now(signum: int, frame) -> None:
     message = f"interrupted ({name}) while no training step ran; nothing to save"
     _write_json(_json_path(sys.argv[1:]), {"status": "interrupted", "signal": name,
                                            "error": message, "exit_code": code})
-    sys.stderr.write(f"{message}\n")
+    sys.stderr.write(f"{fitted(message)}\n")
     sys.stderr.flush()
     os._exit(code)  # mid-import: nothing to unwind, and unwinding would print a traceback
+
+
+def fitted(text: str) -> str:
+    """On a terminal, ``text`` broken between words to fit it, as all csrun prints is
+    (:mod:`csrun.cli.lines` needs rich, which may not be loaded yet)."""
+    if not sys.stderr.isatty():
+        return text
+    return textwrap.fill(text, shutil.get_terminal_size().columns, subsequent_indent="  ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _json_path(args: list[str]) -> str | None:

@@ -6,11 +6,6 @@ from typing import Annotated
 
 import typer
 
-from csrun.core.distribute.device_lib import list_local_devices
-
-from .outcomes import reporting
-from .render import View, write_json
-
 
 def inspect_devices(
     as_json: Annotated[bool, typer.Option(
@@ -18,6 +13,12 @@ def inspect_devices(
 ) -> None:
     """List every device (TF name, torch name, kind, memory, GPU model and capability) and
     where a default CentralStorageStrategy() would compute and keep parameters."""
+    # csrun.core (torch) and the rendering are imported when the command runs, not with
+    # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    from csrun.core.distribute.device_lib import list_local_devices
+
+    from .outcomes import reporting
+    from .render import View, write_json
     view = View(json_to_stdout=as_json)
     with reporting(view, "-" if as_json else None):
         report = list_local_devices()

@@ -8,13 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.runner.launch import launch as run_job
-from csrun.core.runner.launch import plan_launch
-from csrun.core.runner.signals import stop_on_signals
-
-from .outcomes import reporting
-from .render import View, clean_floats, write_json
-
 
 def launch(
     config: Annotated[str, typer.Argument(
@@ -41,7 +34,8 @@ def launch(
         "task's exit code) as JSON to PATH (- for stdout).")] = None,
     logs: Annotated[Optional[str], typer.Option(
         "--logs", metavar="DIR", help="Keep each task's stdout and stderr in DIR (default: "
-        "a new temporary directory, named at the start).")] = None,
+        "a temporary directory, removed at the end unless the job failed or lost a "
+        "worker).")] = None,
 ) -> None:
     """Launch a parameter-server job on this machine: one `csrun train` process per task,
     on loopback, each with its own TF_CONFIG; their output prefixed by task.
@@ -50,6 +44,14 @@ def launch(
     1 the job failed (naming the task), 2 bad config or usage (nothing started), 130/143
     stopped by Ctrl-C/SIGTERM (the chief saves a checkpoint first).
     """
+    # csrun.core (torch) and the rendering are imported when the command runs, not with
+    # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    from csrun.core.runner.launch import launch as run_job
+    from csrun.core.runner.launch import plan_launch
+    from csrun.core.runner.signals import stop_on_signals
+
+    from .outcomes import reporting
+    from .render import View, clean_floats, write_json
     view = View(json_to_stdout=json_path == "-")
     with reporting(view, json_path, config=config):
         plan = plan_launch(config, overrides or [], workers=workers, ps=ps, chief=chief,
@@ -57,7 +59,8 @@ def launch(
         view.launch_started(plan)
         stop, received = threading.Event(), []
         with stop_on_signals(stop, received):
-            result = run_job(plan, view.on_launch_event, stop, received)
+            result = run_job(plan, view.on_launch_event, stop, received,
+                             environ=view.task_environ())
         view.launch_summary(result)
         if json_path:
             write_json(json_path, clean_floats(result.to_dict()))

@@ -20,17 +20,24 @@ from typing import Annotated, Optional  # noqa: E402
 import typer  # noqa: E402
 
 from . import inspect_devices, launch, train, validate  # noqa: E402
+from .help import Command, Group  # noqa: E402
 
 app = typer.Typer(
-    name="csrun", no_args_is_help=True, add_completion=False,
+    name="csrun", cls=Group, no_args_is_help=True, add_completion=False,
     pretty_exceptions_enable=False, rich_markup_mode=None,
     help="TensorFlow's CentralStorageStrategy and ParameterServerStrategy for PyTorch: "
          "train a YAML config on several replicas with parameters kept on one device, or "
          "on a cluster of workers and parameter servers.")
-app.command("train")(train.train)
-app.command("validate")(validate.validate)
-app.command("inspect-devices")(inspect_devices.inspect_devices)
-app.command("launch")(launch.launch)
+# short_help: the list of commands would cut each docstring at its first line's end
+app.command("train", cls=Command, short_help="Train a config: on replicas of this "
+            "machine, or as one task of a parameter-server job.")(train.train)
+app.command("validate", cls=Command, short_help="Check a config without running it: "
+            "exit 0 if valid, 2 with every problem.")(validate.validate)
+app.command("inspect-devices", cls=Command, short_help="List the local devices and "
+            "where a default CentralStorageStrategy puts replicas and parameters."
+            )(inspect_devices.inspect_devices)
+app.command("launch", cls=Command, short_help="Run a parameter-server job on this "
+            "machine: one csrun train process per task.")(launch.launch)
 
 
 def _version(value: bool) -> None:

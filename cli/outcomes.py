@@ -58,8 +58,12 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
     except (RunError, CheckpointError, OutputError, UserCodeError) as exc:
         view.failure(str(exc), exc.__cause__ if isinstance(exc, UserCodeError) else None)
         _finish(json_path, FAILED, {"status": "failed", "error": str(exc)})
-    except SystemExit as exc:  # sys.exit/argparse in user code: csrun did not decide it
-        error = _user_exit(exc)
+    except SystemExit as exc:
+        if isinstance(exc.__context__, BrokenPipeError):
+            # rich's answer to a reader that went away (`csrun ... | head`): stop quietly
+            _finish(json_path, FAILED, {"status": "failed",
+                                        "error": "standard output was closed"})
+        error = _user_exit(exc)  # sys.exit/argparse in user code: csrun did not decide it
         view.failure(error)
         _finish(json_path, FAILED, {"status": "failed", "error": error})
     except Aborted:
@@ -82,16 +86,16 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
 
 @contextlib.contextmanager
 def _notices(view: View):
-    """Show the config checks' notices (:class:`ConfigNotice`) as notes."""
+    """Show the config checks' notices (:class:`ConfigNotice`) as notes, and any other
+    warning (csrun's, torch's) on a line of the view's, fitted as every line is."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", ConfigNotice)
-        shown = warnings.showwarning
 
-        def show(message, category, *args, **kwargs):
+        def show(message, category, filename, lineno, *args, **kwargs):
             if issubclass(category, ConfigNotice):
                 view.on_event(Notice(str(message)))
             else:
-                shown(message, category, *args, **kwargs)
+                view.warning(f"{category.__name__}: {message}", f"{filename}:{lineno}")
         warnings.showwarning = show
         yield
 

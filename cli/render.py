@@ -1,7 +1,9 @@
 """All terminal output of the CLI: rich tables, progress, summaries; errors on stderr.
 
 Human output goes to stdout, or to stderr when ``--json -`` claims stdout. On a terminal
-the run shows a progress bar with ETA; elsewhere (CI logs, pipes) it prints plain lines.
+the run shows a progress bar with ETA and every line fits the terminal, broken between
+words (:mod:`csrun.cli.lines`); elsewhere (CI logs, pipes) it prints plain lines, one per
+message and without padding.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import sys
 import traceback
 from typing import Any, Sequence
 
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
+from rich.cells import cell_len
 from rich.markup import escape
-from rich.padding import Padding
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
+from rich.text import Text
 
 from csrun.core.runner.cluster_role import ClusterJoined, ServeResult, StoppedWaiting
 from csrun.core.runner.events import (CheckpointSaved, Evaluated, Notice, RunResult, RunStarted,
@@ -29,6 +34,8 @@ from csrun.core.runner.launch import (LaunchPlan, LaunchResult, TaskExited, Task
                                describe_exit)
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.metrics import OutputError
+
+from .lines import fits, keep, say, wrap
 
 __all__ = ["View", "sparkline", "write_json"]
 
@@ -112,6 +119,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f} ms"
 
 
+def _phases(seconds: dict[str, float]) -> str:
+    """``distribute 0.30 ms -> run 1.36 ms``, each phase's time kept on its line."""
+    return " -> ".join(keep(f"{name} {_ms(s)}") for name, s in seconds.items())
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
@@ -123,10 +135,12 @@ def _loss(value: float | None) -> str:
 class _Plain:
     """Where a console writes when it is no terminal (CI logs, pipes, files): its lines
     lose the trailing spaces that rich pads table cells with. The stream is looked up at
-    each write, as rich does (tests swap ``sys.stdout``)."""
+    each write, as rich does (tests swap ``sys.stdout``). ``fitted``: lines are fitted
+    to the console's width all the same (a task of ``csrun launch`` on a terminal)."""
 
-    def __init__(self, stderr: bool):
+    def __init__(self, stderr: bool, fitted: bool = False):
         self._stderr = stderr
+        self.fitted = fitted
 
     def _stream(self):
         return sys.stderr if self._stderr else sys.stdout
@@ -143,13 +157,20 @@ class _Plain:
 
 
 _TRAILING = re.compile(r"[ \t]+\n")
+TASK_COLUMNS = "CSRUN_COLUMNS"  # set by csrun launch on a terminal: see task_environ
 
 
 def _console(stderr: bool) -> Console:
     console = Console(stderr=stderr, highlight=False)
     if not console.is_terminal:
-        console = Console(file=_Plain(stderr), highlight=False)  # type: ignore[arg-type]
-        if "COLUMNS" not in os.environ:
+        # a task of `csrun launch`, whose lines the launcher shows on a terminal behind a
+        # prefix, fits them to the room left (CSRUN_COLUMNS, from the launcher)
+        fitted = os.environ.get(TASK_COLUMNS, "")
+        console = Console(file=_Plain(stderr, fitted.isdigit()),  # type: ignore[arg-type]
+                          highlight=False)
+        if fitted.isdigit():
+            console.width = int(fitted)
+        elif "COLUMNS" not in os.environ:
             console.width = 120  # CI logs have no terminal width; 80 would wrap the tables
     return console
 
@@ -167,34 +188,26 @@ class View:
         self._progress: Progress | None = None
         self._task = None
         self._cluster: ClusterJoined | None = None
-
-    def _error_line(self, text: str, indent: int = 0) -> None:
-        """On a terminal, wrapped at word boundaries (the terminal's own wrapping breaks
-        words) with continuation lines indented; elsewhere one line, for grep."""
-        if self.err.is_terminal:
-            self.err.print(Padding(text, (0, 0, 0, indent)))
-        else:
-            self.err.print(" " * indent + text, soft_wrap=True)
+        self._task_width = 8  # the longest task name of a launch
 
     # -- errors ----------------------------------------------------------------------------
     def problems(self, error: ConfigError) -> None:
-        """Every config problem: where, what, and the hint."""
-        count = len(error.problems)
-        self._error_line(f"[bold red]error:[/] {count} problem{'s' if count != 1 else ''} "
-                         "in the config (nothing ran)")
+        """Every problem: where, what, and the hint; the summary says whether they are
+        the config's or the command line's (an option such as ``--plot``)."""
+        say(self.err, f"[bold red]error:[/] {_problem_count(error.problems)} (nothing ran)")
         for problem in error.problems:
             shown = problem.shown()
             where = f"{escape(shown['where'])}: " if shown["where"] else ""
             path = f"[bold]{escape(shown['path'])}[/]: " if shown["path"] else ""
-            self._error_line(f"{where}{path}{escape(shown['message'])}", 2)
+            say(self.err, f"{where}{path}{escape(shown['message'])}", indent=2)
             if shown["hint"]:
-                self._error_line(f"[cyan]hint:[/] {escape(shown['hint'])}", 6)
+                say(self.err, f"[cyan]hint:[/] {escape(shown['hint'])}", indent=6, hang=6)
 
     def failure(self, message: str, cause: BaseException | None = None) -> None:
         """A runtime failure with a clear message (exit 1); for one in the user's code
         (``cause``) its traceback on request."""
         self.close()
-        self._error_line(f"[bold red]error:[/] {escape(message)}")
+        say(self.err, f"[bold red]error:[/] {escape(message)}")
         if cause is not None:
             self._traceback(cause)
 
@@ -202,28 +215,34 @@ class View:
         """An unexpected exception: its message and notes; the traceback on request."""
         self.close()
         notes = "".join(f" {n}" for n in getattr(exc, "__notes__", []))
-        self._error_line(f"[bold red]error:[/] {escape(type(exc).__name__)}: "
-                         f"{escape(str(exc))}{escape(notes)}")
+        say(self.err, f"[bold red]error:[/] {escape(type(exc).__name__)}: "
+                      f"{escape(str(exc))}{escape(notes)}")
         self._traceback(exc)
 
     def _traceback(self, exc: BaseException) -> None:
-        if os.environ.get("CSRUN_TRACEBACK"):
+        if os.environ.get("CSRUN_TRACEBACK"):  # Python's own lines, as they are
             self.err.print(escape("".join(traceback.format_exception(exc))), soft_wrap=True)
         else:
-            self.err.print("  (set CSRUN_TRACEBACK=1 to see the traceback)", style="dim")
+            say(self.err, "(set CSRUN_TRACEBACK=1 to see the traceback)", indent=2,
+                style="dim")
 
     def interrupted(self, saved: str | None, chief: bool = True,
                     saved_nothing: str = "none configured, or no step finished") -> None:
         """A clean stop; ``chief=False``: a worker of a cluster, whose chief saves."""
         self.close()
         where = "; the chief saves the checkpoint" if not chief else \
-            f"; checkpoint {escape(saved)} (continue with --resume)" if saved else \
-            f"; no checkpoint saved ({saved_nothing})"
-        self.err.print(f"[yellow]interrupted[/]{where}", soft_wrap=True)
+            f"; checkpoint {escape(saved)} {keep('(continue with --resume)')}" if saved \
+            else f"; no checkpoint saved ({saved_nothing})"
+        say(self.err, f"[yellow]interrupted[/]{where}")
+
+    def warning(self, message: str, where: str) -> None:
+        """A Python warning raised during the command (Python would print it unwrapped,
+        with a line of source)."""
+        say(self.err, f"[yellow]warning:[/] {escape(message)} ({escape(where)})")
 
     def aborted(self) -> None:
         self.close()
-        self.err.print("[yellow]aborted[/] (second Ctrl-C): nothing saved from this step")
+        say(self.err, "[yellow]aborted[/] (second Ctrl-C): nothing saved from this step")
 
     # -- a training run ----------------------------------------------------------------------
     def on_event(self, event: Any) -> None:
@@ -235,16 +254,12 @@ class View:
         if handler is not None:
             handler(event)
 
-    def _print(self, *things: Any, **kwargs: Any) -> None:
-        console = self._progress.console if self._progress is not None else self.out
-        console.print(*things, **kwargs)
-
     def _joined(self, e: ClusterJoined) -> None:
         self._cluster = e
         if e.role == "ps":
-            self.out.print(f"[bold]ParameterServerStrategy[/]: {e.task} serves its share of "
-                           f"the variables to {', '.join(e.workers)} until the chief ends the "
-                           "job", soft_wrap=True)
+            say(self.out, f"[bold]ParameterServerStrategy[/]: {e.task} serves its share of "
+                          f"the variables to {', '.join(e.workers)} until the chief ends "
+                          "the job")
 
     def _started(self, e: RunStarted) -> None:
         replicas = len(e.compute_devices)
@@ -252,31 +267,30 @@ class View:
         c = self._cluster
         if c is None:
             per_replica = e.global_batch_size / replicas
-            self.out.print(f"[bold]CentralStorageStrategy[/]: {replicas} replica(s) on "
-                           f"{', '.join(e.compute_devices)}; parameters on "
-                           f"{e.parameter_device}", soft_wrap=True)
+            say(self.out, f"[bold]CentralStorageStrategy[/]: {_count(replicas, 'replica')} "
+                          f"on {', '.join(e.compute_devices)}; parameters on "
+                          f"{e.parameter_device}")
         else:
             per_replica = e.global_batch_size / c.replicas_in_sync
-            self.out.print(f"[bold]ParameterServerStrategy[/]: {c.task} ({c.role}) of "
-                           f"{', '.join(c.workers)}; {replicas} replica(s) here on "
-                           f"{', '.join(e.compute_devices)}, {c.replicas_in_sync} in sync; "
-                           f"variables on {e.parameter_device} ({c.variable_placement})",
-                           soft_wrap=True)
+            say(self.out, f"[bold]ParameterServerStrategy[/]: {c.task} ({c.role}) of "
+                          f"{', '.join(c.workers)}; {_count(replicas, 'replica')} here on "
+                          f"{', '.join(e.compute_devices)}, {c.replicas_in_sync} in sync; "
+                          f"variables on {e.parameter_device} ({c.variable_placement})")
         count = e.train_examples or "a stream"  # an IterableDataset has no length
-        self.out.print(f"data: {escape(e.dataset)}: {count} to train, "
-                       f"{e.holdout_examples} held out; global batch {e.global_batch_size} "
-                       f"(~{per_replica:g} per replica, {e.distribute})", soft_wrap=True)
-        self.out.print(f"model: {escape(e.model)}, {e.parameters:,} parameters; steps: "
-                       f"{e.total_steps}{epochs}; seed {e.seed}", soft_wrap=True)
-        self.out.print("each step: distribute -> run (replicas, grads summed " +
-                       ("locally) -> update (push to the ps, pull values)" if c else
-                        "centrally) -> update") + " -> reduce", style="dim")
+        split = f"split into ~{per_replica:g} per replica" if e.distribute == "global" else \
+            f"~{per_replica:g} per replica from each replica's own pipeline"
+        say(self.out, f"data: {escape(e.dataset)}: {count} to train, {e.holdout_examples} "
+                      f"held out; global batch {e.global_batch_size}, {split}")
+        say(self.out, f"model: {escape(e.model)}, {e.parameters:,} parameters; steps: "
+                      f"{e.total_steps}{epochs}; seed {e.seed}")
+        say(self.out, "each step: distribute -> run (replicas, grads summed " +
+            ("locally) -> update (push to the ps, pull values)" if c else
+             "centrally) -> update") + " -> reduce", style="dim")
         if self.out.is_terminal and self._progress is None:
             self._progress = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task."
-                                                                                   "fields[loss]}"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=self.out, transient=True)
+                TextColumn("train"), BarColumn(bar_width=None), MofNCompleteColumn(),
+                TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=self.out, transient=True)
             self._progress.start()
             self._task = self._progress.add_task("train", total=e.total_steps,
                                                  completed=e.start_step, loss="")
@@ -287,30 +301,31 @@ class View:
 
     def _step_log(self, e: StepLog) -> None:
         accuracy = f" · accuracy {_pct(e.accuracy)}" if e.accuracy is not None else ""
-        self._print(f"[bold]step {e.step}/{e.total_steps}[/] · epoch {e.epoch} · loss "
-                    f"{_loss(e.loss)}{accuracy} · lr {e.learning_rate:.3g}", soft_wrap=True)
-        table = Table()
+        # epochs counted from 1, as "15.00 epochs" is: the last step is in epoch 15
+        say(self.out, f"[bold]step {e.step}/{e.total_steps}[/] · epoch {e.epoch + 1} · loss "
+                      f"{_loss(e.loss)}{accuracy} · lr {e.learning_rate:.3g}")
+        # no side borders: narrow enough beside a `[worker:0] ` prefix
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for column in ("replica", "device", "examples", "loss", "step time"):
             table.add_column(column, justify="right" if column != "device" else "left")
         for r in e.replicas:
             table.add_row(str(r.replica), r.device, str(r.examples), _loss(r.loss),
                           _ms(r.step_time_s))
-        self._print(table)
-        self._print("  per step: " + " -> ".join(f"{name} {_ms(s)}"
-                                                  for name, s in e.phases_s.items()),
-                    style="dim")
+        self.out.print(table)
+        say(self.out, f"per step: {_phases(e.phases_s)}", indent=2, style="dim")
 
     def _checkpoint(self, e: CheckpointSaved) -> None:
-        self._print(f"  checkpoint: step {e.step} -> {escape(e.path)}", style="dim",
-                    soft_wrap=True)
+        say(self.out, f"checkpoint: step {e.step} -> {escape(e.path)}", indent=2,
+            style="dim")
 
     def _notice(self, e: Notice) -> None:
-        self._print(f"[yellow]note:[/] {escape(e.message)}", soft_wrap=True)
+        say(self.out, f"[yellow]note:[/] {escape(e.message)}")
 
     def _evaluated(self, e: Evaluated) -> None:
         accuracy = f"accuracy [bold]{_pct(e.accuracy)}[/], " if e.accuracy is not None else ""
         when = f" at step {e.step}" if e.step is not None else ""
-        self._print(f"held out{when}: {accuracy}loss {_loss(e.loss)} ({e.examples} examples)")
+        say(self.out, f"held out{when}: {accuracy}loss {_loss(e.loss)} ({e.examples} "
+                      "examples)")
 
     def close(self) -> None:
         """Stop the progress bar (before a summary or an error)."""
@@ -318,141 +333,232 @@ class View:
             self._progress.stop()
             self._progress = None
 
-    def summary(self, result: RunResult | ServeResult | StoppedWaiting) -> None:
-        """The end of a run: loss curve, metrics, throughput, replica balance, digest."""
+    def summary(self, result: RunResult | ServeResult | StoppedWaiting,
+                files: dict[str, str | None] | None = None) -> None:
+        """The end of a run: loss curve, metrics, throughput, replica balance, digest and
+        the files written (``files``: name -> path, e.g. ``{"plot": "loss.png"}``)."""
         self.close()
         if isinstance(result, StoppedWaiting):
-            self.out.print(f"csrun train: {result.task} stopped by {result.signal} after "
-                           f"{result.wall_s:.1f} s waiting for {result.waited_for}",
-                           soft_wrap=True)
+            say(self.out, f"csrun train: {result.task} stopped by {result.signal} after "
+                          f"{result.wall_s:.1f} s waiting for {result.waited_for}")
             return
         if isinstance(result, ServeResult):
             ended = "the chief ended the job" if result.status == "completed" else \
                 "stopped by a signal before the chief ended the job"
-            self.out.print(f"csrun train: {result.task} served {result.wall_s:.1f} s; {ended}",
-                           soft_wrap=True)
+            say(self.out, f"csrun train: {result.task} served {result.wall_s:.1f} s; {ended}")
             return
+        say(self.out, f"[bold]csrun train: {result.status}[/]")
+        self._rows(self._result_rows(result) + [
+            (name, escape(path)) for name, path in (files or {}).items() if path])
+
+    def _result_rows(self, result: RunResult) -> list[tuple[str, str]]:
         m, t = result.metrics, result.throughput
-        table = Table(title=f"csrun train: {result.status}", title_justify="left",
-                      show_header=False, box=None, padding=(0, 2, 0, 0))
-        table.add_column(style="bold", no_wrap=True)
-        table.add_column(overflow="fold")
         epochs = f" ({result.epochs:.2f} epochs)" if result.epochs is not None else ""
-        table.add_row("steps", f"{result.steps}/{result.total_steps}{epochs}")
-        table.add_row("loss", f"{_loss(result.first_loss)} -> "
-                              f"{_loss(result.final_loss)}  {sparkline(result.losses)}")
+        losses = f"{_loss(result.first_loss)} -> {_loss(result.final_loss)}"
+        spark = sparkline(result.losses, min(48, max(8, self._room(_LABELS) - len(losses) - 2)))
         train_acc = f", accuracy {_pct(m['train_accuracy'])}" \
             if m.get("train_accuracy") is not None else ""
-        table.add_row("train", f"loss {_loss(m.get('train_loss'))}{train_acc} (last log "
-                               "window, reduced over replicas)")
+        rows = [("steps", f"{result.steps}/{result.total_steps}{epochs}"),
+                ("loss", f"{losses}  {spark}"),
+                ("train", f"loss {_loss(m.get('train_loss'))}{train_acc} (last log window, "
+                          "reduced over replicas)")]
         if "eval_loss" in m:
             eval_acc = f"accuracy {_pct(m['eval_accuracy'])}, " \
                 if m.get("eval_accuracy") is not None else ""
-            table.add_row("held out", f"{eval_acc}loss {_loss(m['eval_loss'])} "
-                                      f"({m['eval_examples']} examples)")
-        table.add_row("speed", f"{t['examples_per_s']:,.0f} examples/s, "
-                               f"{t['steps_per_s']:.1f} steps/s, {t['wall_s']:.1f} s "
-                               "training")
-        table.add_row("per step", " -> ".join(f"{k} {_ms(v)}"
-                                              for k, v in result.phases_s.items()))
-        table.add_row("replicas", self._balance(result))
-        table.add_row("params_sha256", result.params_sha256)
-        for name, text in _cluster_rows(getattr(result, "cluster", None)):
-            table.add_row(name, text)
+            rows.append(("held out", f"{eval_acc}loss {_loss(m['eval_loss'])} "
+                                     f"({m['eval_examples']} examples)"))
+        rows += [("speed", f"{t['examples_per_s']:,.0f} examples/s, {t['steps_per_s']:.1f} "
+                           f"steps/s, {t['wall_s']:.1f} s training"),
+                 ("per step", _phases(result.phases_s)),
+                 ("replicas", self._balance(result)),
+                 ("params_sha256", _shortened(result.params_sha256, self._room(2)))]
+        rows += _cluster_rows(getattr(result, "cluster", None))
         if result.early_stopped:
             stop = result.early_stopped
-            table.add_row("early stop", f"at step {stop['step']}: {stop['metric']} best "
-                                        f"{stop['best']:.4g} at step {stop['best_step']}")
-        if result.checkpoint.get("last"):
-            table.add_row("checkpoint", escape(result.checkpoint["last"]))
-        if result.checkpoint.get("best"):
-            table.add_row("best", f"{escape(result.checkpoint['best'])} "
-                                  f"({escape(str(result.checkpoint['best_metric']))})")
-        if result.checkpoint.get("export"):
-            table.add_row("exported", escape(result.checkpoint["export"]))
-        self.out.print(table)
+            rows.append(("early stop", f"at step {stop['step']}: {stop['metric']} best "
+                                       f"{stop['best']:.4g} at step {stop['best_step']}"))
+        checkpoint = result.checkpoint
+        if checkpoint.get("last"):
+            rows.append(("checkpoint", escape(checkpoint["last"])))
+        if checkpoint.get("best"):
+            rows.append(("best", f"{escape(checkpoint['best'])} "
+                                 f"({escape(str(checkpoint['best_metric']))})"))
+        if checkpoint.get("export"):
+            rows.append(("exported", escape(checkpoint["export"])))
+        return rows
+
+    def _room(self, indent: int) -> int:
+        """Cells left after ``indent`` on a line of the output (any, off a terminal)."""
+        return self.out.width - indent if fits(self.out) else 1 << 30
+
+    def _rows(self, rows: list[tuple[str, str]]) -> None:
+        """``label  value`` rows, values aligned after the labels and wrapped there; a
+        value whose word would not fit there starts on the next line instead."""
+        for label, value in rows:
+            text = Text.from_markup(value)
+            longest = max(map(cell_len, text.plain.split(" ")))  # keep()'s units whole
+            if fits(self.out) and longest > self._room(_LABELS):
+                say(self.out, f"[bold]{label}[/]")
+                say(self.out, text, indent=2, hang=0)
+            elif fits(self.out):
+                lines = wrap(text, self.out.width - _LABELS, hang=0)
+                for n, line in enumerate(lines):
+                    head = Text(f"{label:<{_LABELS}}" if n == 0 else " " * _LABELS,
+                                style="bold" if n == 0 else "")
+                    self.out.print(head + line, soft_wrap=True)
+            else:
+                say(self.out, Text.assemble((f"{label:<{_LABELS}}", "bold"), text))
 
     @staticmethod
     def _balance(result: RunResult) -> str:
         parts = [f"{r['replica']}@{r['device']}: {100 * r['examples_share']:.0f}% of "
-                 f"examples, {_ms(r['step_time_s'])}/step" for r in result.per_replica]
+                 f"examples, {keep(_ms(r['step_time_s']))}/step" for r in result.per_replica]
         ratio = result.replica_balance.get("step_time_max_over_min")
         balance = f"; slowest/fastest {ratio:.2f}x" if ratio else ""
         return "; ".join(parts) + balance
 
     # -- launch ----------------------------------------------------------------------------
     def launch_started(self, plan: LaunchPlan) -> None:
-        counts = ", ".join(f"{len(plan.cluster[job])} {job}" for job in ("ps", "chief",
-                                                                        "worker")
+        counts = ", ".join(_count(len(plan.cluster[job]), job) for job in ("ps", "chief",
+                                                                           "worker")
                            if plan.cluster.get(job))
-        self.out.print(f"[bold]csrun launch[/]: {counts} on loopback, each a `csrun train` "
-                       f"with its own TF_CONFIG; {plan.chief} is the chief", soft_wrap=True)
-        self.out.print(f"  logs: {escape(str(plan.logs))}", soft_wrap=True)
-        self._width = max(len(t) for t in plan.tasks)
+        say(self.out, f"[bold]csrun launch[/]: {counts} on loopback, each a `csrun train` "
+                      f"with its own TF_CONFIG; {plan.chief} is the chief")
+        kept = " (removed at the end if the job goes well; --logs DIR keeps them)" \
+            if plan.logs_temporary else ""
+        say(self.out, f"logs: {escape(str(plan.logs))}{kept}", indent=2)
+        self._task_width = max(len(t) for t in plan.tasks)
+
+    def task_environ(self) -> dict[str, str]:
+        """How a task lays out its output for the room its lines have here, behind their
+        ``[worker:0] `` prefix: tables that fit (``COLUMNS``) and, when this is a
+        terminal, lines fitted too (``CSRUN_COLUMNS``)."""
+        columns = str(max(20, self.out.width - self._task_width - 3))
+        return {"COLUMNS": columns, **({TASK_COLUMNS: columns} if fits(self.out) else {})}
 
     def on_launch_event(self, event: Any) -> None:
         """Render one event of :mod:`csrun.core.runner.launch`: a task's start, line or exit."""
-        width = getattr(self, "_width", 8)
         if isinstance(event, TaskStarted):
             role = " (chief)" if event.chief else ""
-            self.out.print(f"  started {event.task}{role} at {event.address}, pid {event.pid}",
-                           soft_wrap=True)
+            say(self.out, f"started {event.task}{role} at {event.address}, pid {event.pid}",
+                indent=2)
         elif isinstance(event, TaskOutput):
-            console = self.err if event.stream == "stderr" else self.out
-            console.print(f"[dim]\\[{event.task}][/]{' ' * (width - len(event.task))} "
-                          f"{escape(event.line)}", soft_wrap=True)
+            self._task_line(event)
         elif isinstance(event, TaskExited):
             style = "dim" if event.exit_code == 0 else "yellow"
-            self.out.print(f"  {event.task} ended: {describe_exit(event.exit_code)} after "
-                           f"{event.seconds:.1f} s", style=style, soft_wrap=True)
+            say(self.out, f"{event.task} ended: {describe_exit(event.exit_code)} after "
+                          f"{event.seconds:.1f} s", indent=2, style=style)
+
+    def _task_line(self, event: TaskOutput) -> None:
+        """A task's line behind its ``[task]`` prefix; on a terminal, wrapped for the room
+        the prefix leaves (the task laid its tables out for that width), each piece
+        prefixed, continuing 2 columns in from the line's own indent."""
+        console = self.err if event.stream == "stderr" else self.out
+        prefix = Text.assemble((f"[{event.task}]", "dim"),
+                               " " * (self._task_width - len(event.task) + 1))
+        body = event.line.rstrip()
+        if not fits(console):
+            console.print(prefix + Text(body), soft_wrap=True)
+            return
+        indent = len(body) - len(body.lstrip(" "))
+        for piece in wrap(Text(body.lstrip(" ")), console.width - prefix.cell_len, indent):
+            console.print(prefix + piece, soft_wrap=True)
 
     def launch_summary(self, result: LaunchResult) -> None:
-        """How the job ended: each task's exit, lost workers, and why it failed."""
+        """How the job ended: each task's exit, lost workers, why it failed, and where the
+        logs are (a temporary folder is gone when the job went well)."""
         codes = ", ".join(f"{t['task']} {describe_exit(t['exit_code'])}"
                           for t in result.tasks)
         color = {"completed": "green", "failed": "red"}.get(result.status, "yellow")
-        self.out.print(f"[bold {color}]csrun launch: {result.status}[/] in "
-                       f"{result.wall_s:.1f} s ({codes})", soft_wrap=True)
+        say(self.out, f"[bold {color}]csrun launch: {result.status}[/] in "
+                      f"{result.wall_s:.1f} s ({codes})")
         if result.lost_workers:
-            self.out.print(f"  lost workers: {', '.join(result.lost_workers)}; the job went "
-                           "on without them (the chief reports them)", style="yellow",
-                           soft_wrap=True)
+            say(self.out, f"lost workers: {', '.join(result.lost_workers)}; the job went on "
+                          "without them (the chief reports them)", indent=2, style="yellow")
         if result.error:
-            self.err.print(f"[bold red]error:[/] {escape(result.error)}", soft_wrap=True)
+            say(self.err, f"[bold red]error:[/] {escape(result.error)}")
             for task, lines in result.tails.items():
-                self.err.print(f"  last stderr lines of {task}:", style="dim")
+                say(self.err, f"last stderr lines of {task}:", indent=2, style="dim")
                 for line in lines[-5:]:
-                    self.err.print(f"    {escape(line)}", soft_wrap=True)
-        self.out.print(f"  logs: {escape(result.logs)}", style="dim", soft_wrap=True)
+                    say(self.err, escape(line), indent=4)
+        if result.logs is None:
+            say(self.out, "logs: removed with their temporary folder (--logs DIR keeps "
+                          "them)", indent=2, style="dim")
+        else:
+            say(self.out, f"logs: {escape(result.logs)}", indent=2, style="dim")
 
     # -- validate, inspect-devices ---------------------------------------------------------
     def valid(self, path: str, config: Any) -> None:
         s, d, o, t = config.strategy, config.dataset, config.optimizer, config.train
-        length = f"{t.steps} steps" if t.steps else f"{t.epochs} epochs"
+        length = _count(t.steps, "step") if t.steps else _count(t.epochs, "epoch")
         batch = next(step.size for step in d.steps if step.op == "batch")
-        self.out.print(f"[green]ok:[/] {escape(path)} is valid", soft_wrap=True)
+        say(self.out, f"[green]ok:[/] {escape(path)} is valid")
         where = f"parameters on {s.parameter_device or '(TF default)'}" \
             if s.kind == "central_storage" else "parameter servers (cluster: " + \
             ("strategy.cluster" if s.cluster else "TF_CONFIG") + ")"
-        self.out.print(f"  strategy: {s.kind}; {', '.join(s.compute_devices or ['(default)'])};"
-                       f" {where}\n"
-                       f"  dataset: {d.source.kind}, global batch {batch}, {d.distribute}\n"
-                       f"  model: {config.model.kind}; optimizer: {o.name} lr={o.lr:g}\n"
-                       f"  train: {length}, seed {t.seed}", soft_wrap=True)
+        for line in (f"strategy: {s.kind}; {', '.join(s.compute_devices or ['(default)'])}; "
+                     f"{where}",
+                     f"dataset: {d.source.kind}, global batch {batch}, {d.distribute}",
+                     f"model: {config.model.kind}; optimizer: {o.name} lr={o.lr:g}",
+                     f"train: {length}, seed {t.seed}"):
+            say(self.out, escape(line), indent=2)
 
     def devices(self, report: dict[str, Any]) -> None:
-        table = Table(title="local devices", title_justify="left")
-        for column in ("device", "TF name", "torch", "kind", "memory", "model", "capability"):
-            table.add_column(column)
-        for d in report["devices"]:
-            memory = d.get("memory_bytes")
-            kind = "logical CPU" if d.get("logical") else d["kind"]
-            table.add_row(d["short_name"], d["name"], d["torch"], kind,
-                          f"{memory / 2**30:.1f} GiB" if memory else "-",
-                          escape(d.get("model", "-")), d.get("capability", "-"))
-        self.out.print(table)
+        """The devices as a table when it fits, else two lines each; columns no device
+        has a value for (a GPU's model on a CPU-only machine) are left out."""
+        rows = [{"device": d["short_name"], "TF name": d["name"], "torch": d["torch"],
+                 "kind": "logical CPU" if d.get("logical") else d["kind"],
+                 "memory": f"{d['memory_bytes'] / 2**30:.1f} GiB"
+                 if d.get("memory_bytes") else "-",
+                 "model": d.get("model", "-"), "capability": d.get("capability", "-")}
+                for d in report["devices"]]
+        columns = [c for c in rows[0] if any(r[c] != "-" for r in rows)] if rows else []
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for column in columns:
+            table.add_column(column, no_wrap=True)
+        for r in rows:
+            table.add_row(*(escape(r[c]) for c in columns))
+        say(self.out, "[bold]local devices[/]")
+        unbounded = self.out.options.update_width(1 << 20)
+        if Measurement.get(self.out, unbounded, table).maximum <= self.out.width:
+            self.out.print(table)
+        else:
+            for r in rows:
+                say(self.out, Text.assemble((r["device"], "bold"), f"  {r['TF name']}"),
+                    indent=2, hang=len(r["device"]) + 2)
+                rest = ", ".join(f"{c} {r[c]}" for c in columns
+                                 if c not in ("device", "TF name"))
+                say(self.out, escape(rest), indent=4 + len(r["device"]))
         placement = report["default_placement"]
-        self.out.print(f"default placement: replicas on "
-                       f"{', '.join(placement['compute_devices'])}; parameters on "
-                       f"{placement['parameter_device']}", soft_wrap=True)
-        self.out.print(f"  ({placement['rule']})", style="dim", soft_wrap=True)
+        say(self.out, f"default placement: replicas on "
+                      f"{', '.join(placement['compute_devices'])}; parameters on "
+                      f"{placement['parameter_device']}")
+        say(self.out, f"({placement['rule']})", indent=2, style="dim")
+
+
+_LABELS = 15  # the summary's label column: "params_sha256" and two spaces
+
+
+def _count(n: int | float, noun: str) -> str:
+    """``1 replica``, ``2 replicas``, ``1 ps``, ``2 ps``, ``1.5 epochs``."""
+    plural = noun if noun == "ps" or n == 1 else noun + "s"
+    return f"{n:g} {plural}" if isinstance(n, float) else f"{n} {plural}"
+
+
+def _problem_count(problems: Sequence[Any]) -> str:
+    """``2 problems in the config``, ``1 problem with the command line`` (an option's,
+    such as ``--plot``), or both counted."""
+    options = sum(p.path.startswith("--") for p in problems)
+    config = len(problems) - options
+    if not options:
+        return f"{config} problem{'s' if config != 1 else ''} in the config"
+    if not config:
+        return f"{options} problem{'s' if options != 1 else ''} with the command line"
+    return (f"{len(problems)} problems: {config} in the config, {options} with the "
+            "command line")
+
+
+def _shortened(word: str, room: int) -> str:
+    """``word`` whole when it fits ``room`` cells, else its start and ``…``: a digest on a
+    narrow terminal (the JSON result has it whole)."""
+    return word if len(word) <= room else word[:max(8, room - 1)] + "…"

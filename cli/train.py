@@ -7,12 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.runner.session import Outputs
-from csrun.core.runner.train import task_name, train_from_file
-
-from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
-from .render import View, clean_floats, write_json
-
 
 def train(
     config: Annotated[str, typer.Argument(
@@ -42,19 +36,26 @@ def train(
     Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage, 130 interrupted by Ctrl-C,
     143 by SIGTERM (both save a checkpoint first).
     """
+    # csrun.core (torch) and the rendering are imported when the command runs, not with
+    # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    from csrun.core.runner.session import Outputs
+    from csrun.core.runner.train import task_name, train_from_file
+
+    from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
+    from .render import View, clean_floats, write_json
     view = View(json_to_stdout=json_path == "-")
     with reporting(view, json_path, config=config,
                    outputs={"--metrics": metrics, "--plot": plot}):
         result = train_from_file(config, overrides or [], resume=resume,
                                  outputs=Outputs(metrics, plot, tensorboard, json_path),
                                  on_event=view.on_event)
-        view.summary(result)
+        view.summary(result, {"plot": plot, "metrics": metrics, "tensorboard": tensorboard})
         code = OK if result.status != "interrupted" else \
             TERMINATED if result.signal == "SIGTERM" else INTERRUPTED
         if json_path:
-            write_json(json_path.replace("{task}", task_name(result)), clean_floats({**result.to_dict(), "config": config,
-                                                "overrides": overrides or [],
-                                                "exit_code": code}))
+            write_json(json_path.replace("{task}", task_name(result)), clean_floats(
+                {**result.to_dict(), "config": config, "overrides": overrides or [],
+                 "exit_code": code}))
     if code in (INTERRUPTED, TERMINATED):
         role = getattr(result, "cluster", {}).get("role")  # in a cluster, the chief saves
         view.interrupted(getattr(result, "checkpoint", {}).get("last"),

@@ -6,11 +6,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from csrun.core.runner.preflight import load_config
-
-from .outcomes import reporting
-from .render import View, write_json
-
 
 def validate(
     config: Annotated[str, typer.Argument(
@@ -23,6 +18,12 @@ def validate(
         "to PATH (- for stdout).")] = None,
 ) -> None:
     """Validate CONFIG (types, devices, data, model, optimizer); exit 0 if valid, else 2."""
+    # csrun.core (torch) and the rendering are imported when the command runs, not with
+    # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    from csrun.core.runner.preflight import load_config
+
+    from .outcomes import reporting
+    from .render import View, write_json
     view = View(json_to_stdout=json_path == "-")
     with reporting(view, json_path, config=config):
         resolved = load_config(config, overrides or [])

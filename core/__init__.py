@@ -22,6 +22,8 @@ aggregation
     How updates made inside replicas are combined (:class:`VariableAggregation`).
 """
 
+import importlib.metadata as _metadata
+
 from .cluster import (ClusterResolver, ClusterSpec, ParameterServerStrategy,
                       SimpleClusterResolver, TFConfigClusterResolver, TorchrunClusterResolver)
 from . import distribute
@@ -40,3 +42,6 @@ from .distribute import (
 __all__ = ["ParameterServerStrategy", "ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
            "TFConfigClusterResolver", "TorchrunClusterResolver"]
 __all__ += distribute.__all__  # the engine's names, listed once, in csrun.core.distribute
+
+# the installed distribution's version: one number, kept in pyproject.toml
+__version__ = _metadata.version("csrun")

@@ -21,6 +21,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from .overrides import apply_overrides, key_path
 from .problems import ConfigError, Problem, closest, did_you_mean
 from .safe_yaml import MAX_BYTES, YamlDocument, load_yaml
+from .user_code import import_beside_config
 from .schema import (SECTIONS, CentralStorageConfig, CheckpointConfig, DatasetConfig, ModelConfig,
                      OptimizerConfig, ParameterServerConfig,
                      RunConfig, StrategyConfig, TrainConfig)
@@ -48,7 +49,9 @@ def read_config(path: str | pathlib.Path, overrides: Sequence[str] = (), *,
       ConfigError: every problem found, each with its dotted path, ``file:line`` and hint.
     """
     path = pathlib.Path(path)
-    return read_config_text(_read_config(path), str(path), overrides, checks=checks)
+    text = _read_config(path)
+    import_beside_config(path)  # before the checks import what the config names
+    return read_config_text(text, str(path), overrides, checks=checks)
 
 
 def _read_config(path: pathlib.Path) -> str:

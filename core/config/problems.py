@@ -13,9 +13,10 @@ from typing import Iterable
 __all__ = ["Problem", "ConfigError", "ConfigNotice", "did_you_mean", "closest", "clipped"]
 
 # How much of a user's text a message echoes: a 3000-character override or key must not
-# make a 3000-character error line.
-# hints are csrun's own advice, whole; the limit only stops one that lists user input
-CLIP = {"where": 120, "path": 80, "message": 240, "hint": 400}
+# make a 3000-character error. Far above what csrun writes itself (a long path, a
+# user's exception): those are shown whole, wrapped on a terminal (csrun.cli.lines).
+# Hints are csrun's own advice; the limit only stops one that lists user input.
+CLIP = {"where": 400, "path": 200, "message": 1000, "hint": 1000}
 
 
 def clipped(text: str, limit: int) -> str:

@@ -210,7 +210,7 @@ class DigitsSource(_Section):
 
 
 _TARGET_PATH = ("Imported from the current folder first (as with `python -m`), then "
-                "`PYTHONPATH` and installed packages.")
+                "the config file's folder, `PYTHONPATH` and installed packages.")
 
 
 class ImportSource(_Section):

@@ -16,7 +16,7 @@ __all__ = ["import_object", "lookup_class", "parameters_hint"]
 
 def import_object(target: str, field: str) -> Any:
     """Import ``"package.module:name"``; the current folder is searched first, as with
-    ``python -m``.
+    ``python -m`` (then the config file's folder: :func:`import_beside_config`).
 
     Raises:
       ConfigError: at ``field``, with what failed (format, module, attribute).
@@ -33,8 +33,9 @@ def import_object(target: str, field: str) -> Any:
         raise ConfigError([Problem(field, f"cannot import module {module_name!r}: "
                                    f"{type(exc).__name__}: {exc}" +
                                    (f" (at {where})" if where else ""),
-                                   None if where else "is it installed, on PYTHONPATH, or "
-                                   "in the current folder?")]) from None
+                                   None if where else "is it installed, on PYTHONPATH, in "
+                                   "the current folder or in the config file's folder?")]
+                          ) from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

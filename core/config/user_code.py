@@ -16,7 +16,8 @@ import traceback
 
 from .problems import Problem
 
-__all__ = ["UserCodeError", "user_code_error", "ensure_cwd_importable", "user_location",
+__all__ = ["UserCodeError", "user_code_error", "ensure_cwd_importable",
+           "import_beside_config", "user_location",
            "describe_failure", "user_problem"]
 
 # csrun itself (core/ and cli/, not its examples), and what Python and its installed
@@ -56,6 +57,28 @@ def ensure_cwd_importable() -> None:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+
+
+_config_folders: list[str] = []  # what import_beside_config put on sys.path
+
+
+def import_beside_config(config_file: str | os.PathLike) -> None:
+    """Search the config file's folder right after the current folder, so a config runs
+    the same from any folder: its relative data paths start at its folder too
+    (``csrun train examples/text_classifier.yaml`` finds examples/toypkg). The folder of
+    an earlier config leaves ``sys.path``."""
+    ensure_cwd_importable()
+    folder = str(pathlib.Path(config_file).resolve().parent)
+    while _config_folders:
+        earlier = _config_folders.pop()
+        if earlier in sys.path:
+            sys.path.remove(earlier)
+    cwd = os.getcwd()
+    if folder in sys.path or folder == cwd:
+        return
+    first = next(i for i, entry in enumerate(sys.path) if entry in ("", cwd))
+    sys.path.insert(first + 1, folder)
+    _config_folders.append(folder)
 
 
 def _is_user_file(filename: str) -> bool:

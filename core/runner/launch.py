@@ -6,7 +6,8 @@ workers -- on loopback ports picked free, each with its own ``TF_CONFIG``. Each 
 writes its output to ``<logs>/<job>-<index>.stdout.log`` and ``.stderr.log`` (so a task
 outlives a launcher that dies); the launcher follows the files and reports every line,
 waits, and judges the job by the chief and the ps tasks: a lost worker does not fail it
-(TF's rule; the chief reports it).
+(TF's rule; the chief reports it). Without ``--logs`` the logs go to a temporary folder,
+removed when the job went well (kept when it failed or lost a worker).
 
 Signals: the first Ctrl-C or SIGTERM goes to every task (workers stop after their step,
 the chief saves a checkpoint and ends the job, the ps tasks serve until then); a second
@@ -27,6 +28,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,6 +92,7 @@ class LaunchPlan:
     resume: bool
     logs: pathlib.Path
     run_config: RunConfig | None
+    logs_temporary: bool = False    # csrun made the folder: removed if the job goes well
 
     @property
     def tasks(self) -> list[str]:
@@ -132,7 +135,7 @@ class LaunchResult:
     failed_task: str | None
     error: str | None
     tails: dict[str, list[str]]         # the last stderr lines of each failed task
-    logs: str
+    logs: str | None                    # None: the temporary folder was removed
     cluster: dict[str, list[str]]
     wall_s: float
     signal: str | None = None
@@ -177,7 +180,7 @@ def plan_launch(config: str, overrides: Sequence[str] = (), *, workers: int, ps:
     folder = pathlib.Path(logs) if logs else pathlib.Path(
         tempfile.mkdtemp(prefix="csrun-launch-"))
     return LaunchPlan(config, list(overrides), cluster, chief_task, resume, folder,
-                      run_config)
+                      run_config, logs_temporary=not logs)
 
 
 def tf_config(cluster: dict[str, list[str]], task: str) -> str:
@@ -262,8 +265,10 @@ class _Task:
                 pass
 
 
-def _environment(plan: LaunchPlan, task: str) -> dict[str, str]:
-    env = dict(os.environ, TF_CONFIG=plan.tf_config(task), PYTHONUNBUFFERED="1",
+def _environment(plan: LaunchPlan, task: str, environ: dict[str, str] | None = None
+                 ) -> dict[str, str]:
+    env = dict(os.environ, **(environ or {}), TF_CONFIG=plan.tf_config(task),
+               PYTHONUNBUFFERED="1",
                CSRUN_LAUNCHER_PID=str(os.getpid()))  # the task ends with its launcher
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
         trainers = len(plan.cluster.get("worker", [])) + len(plan.cluster.get("chief", []))
@@ -273,8 +278,8 @@ def _environment(plan: LaunchPlan, task: str) -> dict[str, str]:
 
 
 def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
-           stop: threading.Event | None = None, received: Sequence[str] = ()
-           ) -> LaunchResult:
+           stop: threading.Event | None = None, received: Sequence[str] = (),
+           environ: dict[str, str] | None = None) -> LaunchResult:
     """Start every task of ``plan``, follow their logs, wait, and judge the job.
 
     Args:
@@ -282,6 +287,8 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
       stop: set it to stop the job cleanly: the signal named first in ``received``
         (default SIGTERM) goes to every task. A KeyboardInterrupt while waiting (a
         second Ctrl-C, with :func:`csrun.core.runner.signals.stop_on_signals`) kills them.
+      environ: more environment variables for every task (the caller's: how a task
+        lays its output out for the room the caller shows it in).
     """
     emit = on_event or (lambda event: None)
     stop = stop or threading.Event()
@@ -291,7 +298,7 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
     tasks: dict[str, _Task] = {}
     try:
         for name in plan.tasks:
-            tasks[name] = _Task(plan, name, _environment(plan, name))
+            tasks[name] = _Task(plan, name, _environment(plan, name, environ))
             job, index = name.split(":")
             emit(TaskStarted(name, plan.cluster[job][int(index)], tasks[name].process.pid,
                              name == plan.chief, *map(str, tasks[name].paths.values())))
@@ -304,7 +311,19 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
         # closed stdout under `| head`, a failed start, an unreadable log)
         _kill_all(tasks, lambda event: None)
         raise
-    return _judge(plan, tasks, begin, forwarded)
+    return _tidy(plan, _judge(plan, tasks, begin, forwarded))
+
+
+def _tidy(plan: LaunchPlan, result: LaunchResult) -> LaunchResult:
+    """Remove the temporary logs of a job that went well (completed, or stopped by a
+    signal, and lost no worker); a failure's stay for reading."""
+    if plan.logs_temporary and result.status in ("completed", "interrupted") and \
+            not result.lost_workers:
+        shutil.rmtree(plan.logs, ignore_errors=True)
+        result.logs = None
+        for task in result.tasks:
+            task["stdout"] = task["stderr"] = None
+    return result
 
 
 def _kill_all(tasks: dict[str, "_Task"], emit) -> None:

@@ -60,7 +60,7 @@ def test_train_renders_tables_and_summary(cli, tiny, tmp_path):
                  tmp_path / "out.json", "--metrics", tmp_path / "m.jsonl")
     assert result.exit_code == 0, result.stderr
     out = result.stdout
-    assert "2 replica(s) on CPU:0, CPU:1; parameters on CPU:0" in out
+    assert "2 replicas on CPU:0, CPU:1; parameters on CPU:0" in out
     assert "distribute -> run" in out and "step 3/6" in out
     assert "replica" in out and "step time" in out and "held out: accuracy" in out
     data = json.loads((tmp_path / "out.json").read_text())
@@ -96,7 +96,7 @@ def test_resume_without_checkpoint_dir_is_a_usage_error(cli, tiny):
 def test_unexpected_errors_are_one_line_not_a_traceback(cli, tiny, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("kaboom")
-    monkeypatch.setattr("csrun.cli.train.train_from_file", boom)
+    monkeypatch.setattr("csrun.core.runner.train.train_from_file", boom)
     result = cli("train", tiny)
     assert result.exit_code == 1
     assert "error: RuntimeError: kaboom" in result.stderr and "Traceback" not in result.stderr

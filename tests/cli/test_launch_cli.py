@@ -105,12 +105,12 @@ def outcome(status, exit_code, **fields):
 
 def test_a_completed_job_with_a_lost_worker_exits_0_and_says_so(cli, ps_tiny, monkeypatch,
                                                                   tmp_path):
-    monkeypatch.setattr("csrun.cli.launch.run_job", lambda *a, **k: outcome(
+    monkeypatch.setattr("csrun.core.runner.launch.launch", lambda *a, **k: outcome(
         "completed", 0, lost_workers=["worker:1"]))
     result = cli("launch", ps_tiny, "--workers", "2", "--ps", "1", "--json",
                  tmp_path / "r.json", "--logs", tmp_path / "logs")
     assert result.exit_code == 0, result.stderr
-    assert "csrun launch: 1 ps, 2 worker on loopback" in result.stdout
+    assert "csrun launch: 1 ps, 2 workers on loopback" in result.stdout
     assert "csrun launch: completed in 3.0 s (ps:0 exit 0, worker:0 exit 0, worker:1 " \
         "killed by SIGKILL)" in result.stdout
     assert "lost workers: worker:1" in result.stdout
@@ -120,7 +120,7 @@ def test_a_completed_job_with_a_lost_worker_exits_0_and_says_so(cli, ps_tiny, mo
 
 def test_a_failed_job_exits_1_naming_the_task_and_its_last_lines(cli, ps_tiny, monkeypatch,
                                                                  tmp_path):
-    monkeypatch.setattr("csrun.cli.launch.run_job", lambda *a, **k: outcome(
+    monkeypatch.setattr("csrun.core.runner.launch.launch", lambda *a, **k: outcome(
         "failed", 1, failed_task="ps:0", error="ps:0 failed first (killed by SIGKILL)",
         tails={"worker:0": ["error: parameter server ps:0 stopped answering"]}))
     result = cli("launch", ps_tiny, "--workers", "2", "--ps", "1", "--logs", tmp_path)
@@ -131,7 +131,7 @@ def test_a_failed_job_exits_1_naming_the_task_and_its_last_lines(cli, ps_tiny, m
 
 
 def test_an_interrupted_job_exits_with_the_signal_code(cli, ps_tiny, monkeypatch, tmp_path):
-    monkeypatch.setattr("csrun.cli.launch.run_job", lambda *a, **k: outcome(
+    monkeypatch.setattr("csrun.core.runner.launch.launch", lambda *a, **k: outcome(
         "interrupted", 143, signal="SIGTERM"))
     result = cli("launch", ps_tiny, "--workers", "2", "--ps", "1", "--logs", tmp_path)
     assert result.exit_code == 143 and "csrun launch: interrupted" in result.stdout

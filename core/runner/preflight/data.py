@@ -27,7 +27,9 @@ def check_data(dataset, seed: int) -> tuple[SourceData | None, Pipeline | None, 
         return None, None, exc.problems
     train_idx, held = split_holdout(len(data), dataset.holdout, seed)
     problems = _check_workers(dataset)
-    if dataset.holdout and (len(held) == 0 or len(train_idx) == 0):
+    # an IterableDataset has no length: the pipeline says so (its "0 of 0" is no count)
+    iterable = getattr(data, "iterable", False)
+    if dataset.holdout and not iterable and (len(held) == 0 or len(train_idx) == 0):
         problems.append(Problem("dataset.holdout", f"holds out {len(held)} of {len(data)} "
                                 f"examples, leaving {len(train_idx)} to train on",
                                 "choose a fraction that leaves both sides non-empty"))
