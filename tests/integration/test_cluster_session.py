@@ -26,6 +26,11 @@ train: {steps: 1}
 """
 
 
+def first_batch(session):
+    """The first batch of the session's pass (one step's worth)."""
+    state = session.state
+    return next(iter(session.batches.distributed(state.epoch, state.position)))
+
 
 @pytest.mark.timeout(120)
 def test_two_workers_slices_add_up_to_one_central_storage_step():
@@ -51,21 +56,21 @@ def test_two_workers_slices_add_up_to_one_central_storage_step():
         worker.strategy.extended.pull()  # both start from the initial values
     for worker in workers:  # one step each, in turn: no update is stale
         with worker.strategy.scope():
-            worker._train_step([next(iter(worker._distribute()))], 0.0)  # one batch
+            worker._train_step([first_batch(worker)], 0.0)
 
     reference = Session(load_config_text(TEXT.replace(
         "kind: parameter_server, compute_devices: [CPU:0]",
         "compute_devices: [CPU:0, CPU:1], parameter_device: CPU:0"), "c.yaml"),
         Outputs(), lambda e: None)
     with reference.strategy.scope():
-        reference._train_step([next(iter(reference._distribute()))], 0.0)  # one batch
+        reference._train_step([first_batch(reference)], 0.0)
 
     workers[0].strategy.extended.pull()
     for mine, theirs in zip(workers[0].model.parameters(), reference.model.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
     # each worker's loss is the mean over its own slice: 2 and 1 of the 3 examples
-    losses = [w.losses[0] for w in workers]
-    assert (2 * losses[0] + losses[1]) / 3 == pytest.approx(reference.losses[0], rel=1e-6)
+    losses = [w.state.losses[0] for w in workers]
+    assert (2 * losses[0] + losses[1]) / 3 == pytest.approx(reference.state.losses[0], rel=1e-6)
 
     workers[1].strategy.extended.finish()
     assert workers[0].strategy.extended.finish(timeout=30) == []
