@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from csrun_cli import csrun_command
+from tests.helpers.cli import csrun_command
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -14,9 +14,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cluster_tasks import ClusterTasks
 
 from csrun.core.runner.launch import free_ports
+from tests.helpers.cluster_tasks import ClusterTasks
 
 _NETNS = Path(__file__).resolve().parents[2] / "benchmarks" / "netns.py"
 _spec = importlib.util.spec_from_file_location("csrun_bench_netns", _NETNS)

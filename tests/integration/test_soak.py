@@ -13,9 +13,9 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 import csrun.core as cs
+from tests.helpers.soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 
 @pytest.mark.timeout(900)

@@ -28,7 +28,8 @@ import pytest
 from typer.testing import CliRunner
 
 from csrun.cli.main import app
-from csrun_processes import TINY, child_env, csrun_command
+from tests.helpers.cli import child_env, csrun_command
+from tests.helpers.tiny_config import TINY
 
 SMALL = TINY.replace("train: {steps: 40, log_every: 10}",
                      "train: {steps: 2, log_every: 1}\n"

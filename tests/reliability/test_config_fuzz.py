@@ -12,8 +12,8 @@ import yaml
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from broken_configs import FUZZ, SIMPLE_KEY, VALID, block_yaml, breaks, related
 from csrun.core.config.safe_yaml import MAX_ALIASES, MAX_DEPTH
+from tests.helpers.broken_configs import FUZZ, SIMPLE_KEY, VALID, block_yaml, breaks, related
 
 
 def _expect_refusal(outcome, broken, text: str | None = None, override: str | None = None):

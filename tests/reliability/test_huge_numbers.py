@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from csrun_processes import TINY
+from tests.helpers.tiny_config import TINY
 
 BIG = "7" * 5000
 

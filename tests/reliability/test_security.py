@@ -21,7 +21,7 @@ import csrun.core as core
 import csrun.core.config.targets as targets
 from csrun.cli.main import app
 from csrun.core.runner.digests import file_sha256
-from csrun_processes import TINY
+from tests.helpers.tiny_config import TINY
 
 SOURCES = sorted((Path(core.__file__).parent).rglob("*.py")) + \
     sorted((Path(sys.modules["csrun.cli.main"].__file__).parent).glob("*.py"))

@@ -15,14 +15,14 @@ import time
 import psutil
 import pytest
 from rich.console import Console
-from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 from csrun.cli.render import View
 from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.events import StepDone
 from csrun.core.runner.session import Outputs
 from csrun.core.runner.train import train
-from csrun_processes import TINY
+from tests.helpers.soak_checks import STEPS, WARMUP, Reference, check_flat, sample
+from tests.helpers.tiny_config import TINY
 
 
 @pytest.mark.timeout(900)

@@ -14,11 +14,11 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-import injected_faults
 from csrun.cli.main import app
 from csrun.core.runner.checkpoint import CheckpointManager
 from csrun.core.runner.preflight import load_config
 from csrun.core.runner.checkpointing import run_identity
+from tests.helpers import injected_faults
 
 CONFIG = """\
 strategy: {compute_devices: [CPU:0, CPU:1, CPU:2], parameter_device: CPU:0}
@@ -29,7 +29,7 @@ dataset:
     - {op: batch, size: 24}
 model:
   kind: import
-  target: "injected_faults:FaultyMLP"
+  target: "tests.helpers.injected_faults:FaultyMLP"
   kwargs: {features: 6, classes: 3, batch_norm: true}
 optimizer: {name: SGD, lr: 0.1}
 train: {steps: 12, log_every: 4}

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from csrun_processes import TINY, child_env
+from tests.helpers.cli import child_env
+from tests.helpers.tiny_config import TINY
 
 USER_CODE = '''\
 import os, sys

@@ -11,9 +11,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from replica_training import train_bits
 
 import csrun.core as cs
+from tests.helpers.replica_training import train_bits
 
 
 def _strategy(n=2, **options):
