@@ -22,6 +22,9 @@ Fixtures:
     renders csrun's ``element_spec`` the way TF prints specs, to compare with the golden.
 ``big_cpu_index``
     a logical CPU index that does not exist (logical CPUs: ``max(8, os.cpu_count())``).
+``tiny``
+    :data:`~tests.helpers.tiny_config.TINY` in ``tmp_path/tiny.yaml`` (the CLI and the
+    integration tests' conftest.py write their variant).
 ``csrun``, ``spawn``
     the real ``csrun`` as a process in ``tmp_path`` (waited for, or a Popen), in
     :func:`~tests.helpers.cli.child_env`'s environment.
@@ -34,6 +37,7 @@ import pytest
 import csrun.core as cs
 from tests.helpers import golden as recorded
 from tests.helpers.cli import child_env, csrun_command
+from tests.helpers.tiny_config import TINY
 
 
 @pytest.fixture(scope="session")
@@ -101,3 +105,11 @@ def spawn(tmp_path):
         if process.poll() is None:
             process.kill()
         process.communicate()
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """Path of the tiny config, written to ``tmp_path/tiny.yaml``."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    return path

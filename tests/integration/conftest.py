@@ -5,20 +5,11 @@ import subprocess
 import pytest
 
 from tests.helpers.cli import child_env
+from tests.helpers.tiny_config import tiny_config
 
-TINY = """\
-# A tiny run for tests: 2 logical CPU replicas.
-strategy: {compute_devices: [CPU:0, CPU:1], parameter_device: CPU:0}
-dataset:
-  source: {kind: synthetic, examples: 128, features: 6, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 256}
-    - {op: batch, size: 16}
-model: {kind: mlp, hidden: [16], dropout: 0.1}
-optimizer: {name: Adam, lr: 0.01}
-train: {epochs: 2, log_every: 4}
-"""
+# 2 epochs, with dropout
+TINY = tiny_config("dataset.source.examples=128", "dataset.steps.0.buffer=256",
+                   "model.dropout=0.1", "train={epochs: 2, log_every: 4}")
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ Fixtures:
     returns a :class:`~tests.helpers.clean_failure.Outcome` (exit code, JSON result, stderr, seconds); every call is
     checked for the rules above, timed, and counted in the summary line
     ``reliability: N bad or tricky configs checked, slowest X ms``.
-``work``, ``valid_file``, ``tiny``
-    a folder for generated configs, a valid config in it, a tiny trainable config.
+``work``, ``valid_file``
+    a folder for generated configs, a valid config in it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 from csrun.cli.main import app
 from tests.helpers.broken_configs import VALID, block_yaml
 from tests.helpers.clean_failure import Outcome, Timings, check_clean_failure
-from tests.helpers.tiny_config import TINY
 
 _TIMINGS = Timings()
 
@@ -74,11 +73,4 @@ def work(tmp_path_factory) -> Path:
 def valid_file(work) -> Path:
     path = work / "valid.yaml"
     path.write_text(block_yaml(VALID), encoding="utf-8")
-    return path
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "tiny.yaml"
-    path.write_text(TINY)
     return path
