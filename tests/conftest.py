@@ -1,6 +1,10 @@
 """Shared fixtures for csrun's test-suite (TensorFlow's recorded outputs: see
 :mod:`tests.helpers.golden`).
 
+Markers (pyproject.toml): ``python -m pytest`` runs the fast suite, in one process;
+``-m "process or slow"`` runs the rest, as ``.ci/run`` does after it. A test not marked
+``process`` that starts a process fails (:mod:`tests.helpers.process_starts`).
+
 Fixtures:
 
 ``golden``
@@ -36,8 +40,22 @@ import pytest
 
 import csrun.core as cs
 from tests.helpers import golden as recorded
+from tests.helpers import process_starts
 from tests.helpers.cli import child_env, csrun_command
 from tests.helpers.tiny_config import TINY
+
+
+@pytest.fixture(autouse=True)
+def _starts_no_process_unless_marked(request):
+    if request.node.get_closest_marker("process"):
+        yield
+        return
+    with process_starts.watch() as started:
+        yield
+    if started:
+        pytest.fail(f"the test started {len(started)} process(es) "
+                    f"({', '.join(sorted(set(started)))}): mark it @pytest.mark.process",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

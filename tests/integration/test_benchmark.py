@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # the benchmarks run as scripts
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

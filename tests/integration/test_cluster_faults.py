@@ -24,6 +24,8 @@ from csrun.core.cluster.client import ParameterServerClient
 from csrun.core.cluster.transport import ClusterMismatch
 from csrun.core.runner.launch import free_ports
 
+pytestmark = pytest.mark.process  # cluster tasks as csrun processes
+
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: TIMEOUT}
 dataset:

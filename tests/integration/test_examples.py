@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers.cli import csrun_command
 
+pytestmark = pytest.mark.process  # each example as a process
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

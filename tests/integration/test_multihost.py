@@ -23,7 +23,7 @@ _spec = importlib.util.spec_from_file_location("csrun_bench_netns", _NETNS)
 netns = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(netns)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process  # tasks in network namespaces
 
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}

@@ -12,6 +12,8 @@ import pytest
 from csrun.core.runner.launch import free_ports
 from tests.helpers import ps_task
 
+pytestmark = pytest.mark.process  # cluster tasks as processes
+
 
 def _steps_done(path: Path) -> int:
     """The count in a task's progress file; 0 while there is none. Read once: the task

@@ -73,6 +73,7 @@ def test_shipped_config_validates(path):
     load_config(path, ["strategy.compute_devices=[CPU:0,CPU:1]"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", [c for c in CONFIGS if gpus_needed(c) == 0 and
                                   c.stem != "quickstart" and c not in PS_CONFIGS],
                          ids=lambda c: c.stem)
@@ -83,6 +84,7 @@ def test_cpu_config_trains_end_to_end(path, csrun, tmp_path):
     assert result["status"] == "completed" and result["metrics"]["eval_accuracy"] > 0.9
 
 
+@pytest.mark.process
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", PS_CONFIGS, ids=lambda c: c.stem)
 def test_parameter_server_config_trains_via_launch(path, csrun, tmp_path):
@@ -111,6 +113,7 @@ def test_parameter_server_config_trains_via_launch(path, csrun, tmp_path):
     assert seconds < 60, f"{path.name} took {seconds:.0f} s"
 
 
+@pytest.mark.process
 def test_quickstart_under_a_minute_with_a_meaningful_accuracy(csrun, tmp_path):
     begin = time.monotonic()
     done = csrun("train", CONFIGS[NAMES.index("quickstart")], "--json", "q.json")

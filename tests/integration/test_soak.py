@@ -18,6 +18,7 @@ import csrun.core as cs
 from tests.helpers.soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_soak_memory_threads_handles_and_step_time_stay_flat():
     process = psutil.Process()

@@ -21,6 +21,8 @@ from tests.helpers import crash_driver
 from tests.helpers.cli import child_env, csrun_command
 from tests.helpers.tiny_config import TINY
 
+pytestmark = pytest.mark.process  # killed csrun processes
+
 LONG = ["train.steps=240", "checkpoint.dir=ck", "checkpoint.every_steps=20",
         "checkpoint.keep=3"]
 

@@ -17,6 +17,8 @@ import pytest
 from tests.helpers.cli import child_env
 from tests.helpers.tiny_config import TINY
 
+pytestmark = pytest.mark.process  # csrun processes, interrupted
+
 USER_MODULE = '''\
 import atexit, os, pathlib, time
 from torch import nn

@@ -25,6 +25,7 @@ from tests.helpers.soak_checks import STEPS, WARMUP, Reference, check_flat, samp
 from tests.helpers.tiny_config import TINY
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_long_run_keeps_memory_threads_handles_and_step_time_flat(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -109,6 +109,7 @@ def test_an_exception_in_one_replica_names_it_and_nothing_hangs(execution, run_d
     assert threading.active_count() <= threads
 
 
+@pytest.mark.process
 @pytest.mark.timeout(180)
 def test_a_failing_replica_ends_the_process(run_dir, csrun):
     """A real process: exit 1 within the timeout (a thread stuck in a collective would

@@ -12,6 +12,8 @@ import pytest
 from tests.helpers.cli import child_env
 from tests.helpers.tiny_config import TINY
 
+pytestmark = pytest.mark.process  # csrun processes
+
 USER_CODE = '''\
 import os, sys
 import torch

@@ -219,6 +219,7 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
     assert time.monotonic() - begin < 5
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     # ps:0 hosts the job's store: when it dies while a worker counts a step (not only
