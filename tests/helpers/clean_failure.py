@@ -1,7 +1,8 @@
 """What ``csrun validate`` did with one input, and the rules every rejected input follows.
 
 The rules (README, exit codes): bad input exits 2 with every problem named (what, where,
-how to fix) and no traceback, in bounded time, in a short message.
+how to fix) and no traceback, in a short message. Each case is timed for the summary
+line; the limit on its time is benchmarks/bad_configs.py's, not a test's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import dataclasses
 
 from csrun.core.config.problems import CLIP
 
-CASE_LIMIT_S = 10.0  # the bound on one bad config; measured cases take well under 1 s
 # "A short message": each part of a problem is clipped (CLIP), so no line of the error
 # output is longer than this, however long the input it echoes
 LINE_LIMIT = 2 + CLIP["where"] + 2 + CLIP["path"] + 2 + CLIP["message"]
@@ -46,9 +46,8 @@ class Timings:
 
 def check_clean_failure(outcome: Outcome, what: str) -> None:
     """The rules every rejected input follows: exit 2, a JSON list of problems each with
-    a path or a location and a message, a short human message, no traceback, in time."""
+    a path or a location and a message, a short human message, no traceback."""
     assert outcome.exit_code in (0, 2), f"{what}: exit {outcome.exit_code}\n{outcome.stderr}"
-    assert outcome.seconds < CASE_LIMIT_S, f"{what}: took {outcome.seconds:.1f} s"
     assert "Traceback (most recent call last)" not in outcome.stderr
     assert "set CSRUN_TRACEBACK=1" not in outcome.stderr, outcome.stderr  # an unexpected error
     if outcome.exit_code == 0:

@@ -101,7 +101,6 @@ def test_when_the_chief_fails_the_others_are_stopped(tmp_path):
     assert codes(result) == {"ps:0": -signal.SIGTERM, "worker:0": 1,
                              "worker:1": -signal.SIGTERM}
     assert result.lost_workers == []  # stopped by the launcher, not lost
-    assert result.wall_s < 30
 
 
 @pytest.mark.process
