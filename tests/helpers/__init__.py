@@ -11,4 +11,5 @@
 ``ps_task``          a script: one task of a test cluster through the library
 ``replica_training`` a few SGD steps through a strategy, as bytes, to compare modes
 ``soak_checks``      what a soak samples and the limits it must stay within
+``process_starts``   which processes a test starts (the fast suite starts none)
 """
