@@ -1,4 +1,4 @@
-"""Issues 4, 13 and 14's targets, and how a noisy run's figures are judged against them.
+"""Issues 4, 13, 14 and 26's targets, and how a noisy run's figures are judged against them.
 
 A median of paired ratios from one run moves by ±0.05 on a VM whose speed swings ~1.6x
 within seconds, so a bare median cannot say whether a target is met. Each median comes
@@ -26,6 +26,13 @@ TF_CSS_MLP_EXAMPLES_PER_S = 31_000
 PLAIN_AFTER_CSRUN_TARGET = 0.97
 # issue 13: the runner's step / the hand-written library loop's, for a user model
 RUNNER_OVERHEAD_TARGET = 1.05
+# a soak's step time late in the run / early after the warm-up, each in reference steps
+SOAK_SLOWDOWN_TARGET = 1.5
+# the most seconds csrun validate may take to refuse one bad config (docs/reliability.md)
+BAD_CONFIG_LIMIT_S = 10.0
+# the most seconds a shipped CPU config may take from the command line (README: quickstart
+# "under a minute on 2 CPU cores")
+SHIPPED_CONFIG_LIMIT_S = 60.0
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple | None:

@@ -1,10 +1,9 @@
-"""Shared fixtures for csrun's test-suite.
+"""Shared fixtures for csrun's test-suite (TensorFlow's recorded outputs: see
+:mod:`tests.helpers.golden`).
 
-The golden cases (``tests/golden/golden.json``, a copy of the project's shared
-``../shared/golden/golden.json``) are outputs recorded from real TensorFlow 2.21 running
-``tf.distribute.experimental.CentralStorageStrategy``; see the README next to the original
-for how TF's terms map to csrun's. The copy lives in the repository so the spec tests run
-in every checkout; ``tests/unit/test_golden_copy.py`` checks it against the original.
+Markers (pyproject.toml): ``python -m pytest`` runs the fast suite, in one process;
+``-m "process or slow"`` runs the rest, as ``.ci/run`` does after it. A test not marked
+``process`` that starts a process fails (:mod:`tests.helpers.process_starts`).
 
 Fixtures:
 
@@ -27,201 +26,108 @@ Fixtures:
     renders csrun's ``element_spec`` the way TF prints specs, to compare with the golden.
 ``big_cpu_index``
     a logical CPU index that does not exist (logical CPUs: ``max(8, os.cpu_count())``).
+``tiny``
+    :data:`~tests.helpers.tiny_config.TINY` in ``tmp_path/tiny.yaml`` (the CLI and the
+    integration tests' conftest.py write their variant).
+``csrun``, ``spawn``
+    the real ``csrun`` as a process in ``tmp_path`` (waited for, or a Popen), in
+    :func:`~tests.helpers.cli.child_env`'s environment.
 """
 
-from __future__ import annotations
+import subprocess
 
-import json
-import math
-from pathlib import Path
-from typing import Any
-
-import numpy as np
 import pytest
-import torch
 
 import csrun.core as cs
-
-GOLDEN_PATH = Path(__file__).resolve().parent / "golden" / "golden.json"
-SHARED_GOLDEN_PATH = (Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-                      / "golden.json")
-
-_TORCH_DTYPES = {
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bool": torch.bool,
-}
-
-_golden_cache: dict | None = None
+from tests.helpers import golden as recorded
+from tests.helpers import process_starts
+from tests.helpers.cli import child_env, csrun_command
+from tests.helpers.tiny_config import TINY
 
 
-def _load_golden() -> dict:
-    global _golden_cache
-    if _golden_cache is None:
-        with GOLDEN_PATH.open() as fh:  # part of the repository: missing is an error
-            data = json.load(fh)
-        _golden_cache = {case["id"]: case for case in data["cases"]}
-        _golden_cache["__meta__"] = data.get("meta", {})
-    return _golden_cache
+@pytest.fixture(autouse=True)
+def _starts_no_process_unless_marked(request):
+    if request.node.get_closest_marker("process"):
+        yield
+        return
+    with process_starts.watch() as started:
+        yield
+    if started:
+        pytest.fail(f"the test started {len(started)} process(es) "
+                    f"({', '.join(sorted(set(started)))}): mark it @pytest.mark.process",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def golden() -> dict:
     """Every golden case by id (``golden["__meta__"]`` holds the file's meta)."""
-    return _load_golden()
-
-
-def make_strategy(num_replicas: int, **options) -> cs.CentralStorageStrategy:
-    """The golden strategy S<R>: compute CPU:1..CPU:R, parameters on CPU:0."""
-    opts = cs.StrategyOptions(**options) if options else None
-    return cs.CentralStorageStrategy([f"CPU:{i}" for i in range(1, num_replicas + 1)],
-                                     "CPU:0", options=opts)
+    return recorded.cases()
 
 
 @pytest.fixture
 def strategy():
     """Factory fixture: ``strategy(R, copy_parameters=..., ...)`` -> S<R>."""
-    return make_strategy
-
-
-def decode(enc: Any) -> Any:
-    """A golden encoding as torch tensors / numpy values / plain Python values."""
-    if isinstance(enc, list):
-        return [decode(v) for v in enc]
-    if not isinstance(enc, dict):
-        return enc
-    if "error" in enc and len(enc) == 1:
-        return enc  # a recorded exception: the caller checks it explicitly
-    if {"value", "dtype", "shape"} <= enc.keys() and len(enc) == 3:
-        dtype = _TORCH_DTYPES.get(enc["dtype"])
-        if dtype is None:  # e.g. TF strings
-            return enc["value"]
-        return torch.tensor(enc["value"], dtype=dtype).reshape(enc["shape"])
-    if "ndarray" in enc:
-        return np.array(enc["ndarray"], dtype=enc["dtype"]).reshape(enc["shape"])
-    if "np_scalar" in enc:
-        return np.dtype(enc["dtype"]).type(enc["np_scalar"])
-    if "kind" in enc and "values" in enc:
-        return [decode(v) for v in enc["values"]]
-    if "result" in enc and len(enc) == 1:
-        return decode(enc["result"])
-    return {k: decode(v) for k, v in enc.items()}
+    return recorded.make_strategy
 
 
 @pytest.fixture
 def decode_golden():
-    """The :func:`decode` helper: golden encoding -> torch/numpy/Python values."""
-    return decode
-
-
-def _as_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, cs.Variable):
-        return value.tensor.detach()
-    return torch.as_tensor(np.asarray(value))
-
-
-def expect(actual: Any, encoded: Any, check_dtype: bool = True, atol: float = 1e-6,
-           rtol: float = 0.0, path: str = "value") -> None:
-    """Assert ``actual`` matches the golden ``encoded`` value (see module docstring)."""
-    expected = decode(encoded)
-    _compare(actual, expected, check_dtype, atol, rtol, path)
-
-
-def _compare(actual, expected, check_dtype, atol, rtol, path):
-    if isinstance(expected, dict) and "error" in expected and len(expected) == 1:
-        raise AssertionError(f"{path}: the golden value is a recorded error {expected}; "
-                             "check it with pytest.raises")
-    if isinstance(expected, (torch.Tensor, np.ndarray, np.generic)):
-        exp = _as_tensor(expected)
-        act = _as_tensor(actual)
-        assert tuple(act.shape) == tuple(exp.shape), \
-            f"{path}: shape {tuple(act.shape)} != golden {tuple(exp.shape)} ({act} vs {exp})"
-        if check_dtype:
-            assert act.dtype == exp.dtype, f"{path}: dtype {act.dtype} != golden {exp.dtype}"
-        act, exp = act.cpu(), exp.cpu()
-        if exp.is_floating_point() or act.is_floating_point():
-            diff = (act.double() - exp.double()).abs()
-            bound = atol + rtol * exp.double().abs()
-            assert bool((diff <= bound).all()), \
-                f"{path}: {act.tolist()} != golden {exp.tolist()} (atol={atol}, rtol={rtol})"
-        else:
-            assert act.tolist() == exp.tolist(), \
-                f"{path}: {act.tolist()} != golden {exp.tolist()}"
-        return
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict), f"{path}: expected a dict, got {type(actual)}"
-        assert set(actual) == set(expected), f"{path}: keys {set(actual)} != {set(expected)}"
-        for key in expected:
-            _compare(actual[key], expected[key], check_dtype, atol, rtol, f"{path}[{key!r}]")
-        return
-    if isinstance(expected, list):
-        if isinstance(actual, cs.DistributedValues):
-            actual = list(actual.values)
-        assert isinstance(actual, (list, tuple)), \
-            f"{path}: expected a sequence of {len(expected)}, got {type(actual).__name__}"
-        assert len(actual) == len(expected), \
-            f"{path}: {len(actual)} elements != golden {len(expected)} ({actual!r})"
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _compare(a, e, check_dtype, atol, rtol, f"{path}[{i}]")
-        return
-    if isinstance(expected, float):
-        a = float(_as_tensor(actual)) if not isinstance(actual, (int, float)) else actual
-        assert math.isclose(a, expected, rel_tol=rtol, abs_tol=atol), \
-            f"{path}: {a} != golden {expected}"
-        return
-    if isinstance(expected, bool) or expected is None or isinstance(expected, str):
-        assert actual == expected, f"{path}: {actual!r} != golden {expected!r}"
-        return
-    if isinstance(expected, int):
-        if isinstance(actual, torch.Tensor):
-            assert not actual.is_floating_point(), f"{path}: {actual} is not an integer"
-            actual = int(actual)
-        assert actual == expected and not isinstance(actual, float), \
-            f"{path}: {actual!r} != golden {expected!r}"
-        return
-    assert actual == expected, f"{path}: {actual!r} != golden {expected!r}"
+    """The :func:`~tests.helpers.golden.decode` helper: golden encoding -> torch/numpy/Python
+    values."""
+    return recorded.decode
 
 
 @pytest.fixture
 def expect_golden():
-    return expect
-
-
-def tf_spec_string(spec: Any) -> str:
-    """Render csrun's ``element_spec`` the way TF prints its specs, for comparison.
-
-    ``TensorSpec((None,), torch.int64)`` -> ``TensorSpec(shape=(None,), dtype=tf.int64,
-    name=None)``; PerReplicaSpec, dicts and tuples are rendered like TF's reprs.
-    """
-    if isinstance(spec, cs.PerReplicaSpec):
-        return "PerReplicaSpec(" + ", ".join(tf_spec_string(s) for s in spec) + ")"
-    if isinstance(spec, cs.TensorSpec):
-        dtype = str(spec.dtype).replace("torch.", "tf.")
-        return f"TensorSpec(shape={tuple(spec.shape)!r}, dtype={dtype}, name=None)"
-    if isinstance(spec, dict):
-        return "{" + ", ".join(f"{k!r}: {tf_spec_string(v)}" for k, v in spec.items()) + "}"
-    if isinstance(spec, tuple):
-        inner = ", ".join(tf_spec_string(v) for v in spec)
-        return f"({inner},)" if len(spec) == 1 else f"({inner})"
-    if isinstance(spec, list):
-        return "[" + ", ".join(tf_spec_string(v) for v in spec) + "]"
-    return repr(spec)
+    return recorded.expect
 
 
 @pytest.fixture
 def spec_string():
-    return tf_spec_string
+    return recorded.tf_spec_string
 
 
 @pytest.fixture
 def big_cpu_index() -> int:
     """A logical CPU index that does not exist here (logical CPUs: max(8, cpu_count))."""
     return max(99, cs.logical_cpu_count())
+
+
+@pytest.fixture
+def csrun(tmp_path):
+    """``csrun(*args, timeout=300, cwd=tmp_path, command=None, env=None)`` runs the real CLI
+    (or ``command``) and waits: a CompletedProcess with text stdout and stderr. ``env``
+    adds to the environment; bytes arguments go as they are."""
+    def run(*args, timeout=300, cwd=tmp_path, command=None, env=None):
+        args = [a if isinstance(a, bytes) else str(a) for a in args]
+        return subprocess.run((command or csrun_command()) + args, cwd=cwd,
+                              env={**child_env(), **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout)
+    return run
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """``spawn(*args, cwd=tmp_path, command=None, env=None)`` starts the real CLI without
+    waiting (a Popen, text pipes); whatever still runs when the test ends is killed."""
+    started = []
+
+    def start(*args, cwd=tmp_path, command=None, env=None):
+        process = subprocess.Popen((command or csrun_command()) + [str(a) for a in args],
+                                   cwd=cwd, env={**child_env(), **(env or {})},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(process)
+        return process
+    yield start
+    for process in started:  # a failed test must not leave a training process behind
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """Path of the tiny config, written to ``tmp_path/tiny.yaml``."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    return path

@@ -4,20 +4,12 @@ import pytest
 from typer.testing import CliRunner
 
 from csrun.cli.main import app
+from tests.helpers.tiny_config import tiny_config
 
-TINY = """\
-# A tiny run for tests: 2 logical CPU replicas, a few steps.
-strategy: {compute_devices: [CPU:0, CPU:1]}
-dataset:
-  source: {kind: synthetic, examples: 96, features: 4, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 128}
-    - {op: batch, size: 16}
-model: {kind: mlp, hidden: [8]}
-optimizer: {name: SGD, lr: 0.1}
-train: {steps: 6, log_every: 3}
-"""
+# 2 logical CPU replicas, 6 steps
+TINY = tiny_config("~strategy.parameter_device", "dataset.source.features=4",
+                   "model.hidden=[8]", "optimizer={name: SGD, lr: 0.1}",
+                   "train={steps: 6, log_every: 3}")
 
 
 @pytest.fixture

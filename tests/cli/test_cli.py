@@ -30,7 +30,8 @@ def test_validate_reports_every_problem_with_location_and_hint(cli, tiny):
     assert result.stdout == ""
     err = result.stderr
     assert "3 problems" in err and "Traceback" not in err
-    assert f"{tiny}:9: model.kind: unknown kind 'mpl'" in err
+    line = 1 + [n.split(":")[0] for n in tiny.read_text().splitlines()].index("model")
+    assert f"{tiny}:{line}: model.kind: unknown kind 'mpl'" in err
     assert "hint: did you mean 'mlp'?" in err
     assert "train.stesp: unknown key" in err and "did you mean 'steps'?" in err
     assert "override 'optimizer.lr=-1': optimizer.lr" in err

@@ -8,16 +8,12 @@ import pytest
 
 from csrun.core.runner.launch import LaunchResult
 from csrun.core.config.problems import ConfigError
+from tests.helpers.tiny_config import tiny_config
 
-PS_TINY = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0]}
-dataset:
-  source: {kind: synthetic, examples: 96, features: 4, classes: 3}
-  steps:
-    - {op: batch, size: 16}
-model: {kind: mlp, hidden: [8]}
-train: {steps: 6}
-"""
+PS_TINY = tiny_config("strategy={kind: parameter_server, compute_devices: [CPU:0]}",
+                      "dataset.source.features=4", "~dataset.holdout",
+                      "dataset.steps=[{op: batch, size: 16}]", "model.hidden=[8]", "~optimizer",
+                      "train={steps: 6}")
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # the benchmarks run as scripts
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -83,3 +85,45 @@ def test_runner_overhead_benchmark_runs(tmp_path):
     assert module.pooled_verdict((1.00, 1.03), [1.01, 1.06]) == "inconclusive"
     assert module.pooled_verdict((1.06, 1.08), [1.07, 1.04]) == "inconclusive"
     assert module.pooled_verdict((1.06, 1.08), [1.07]) == "missed"
+
+
+def _benchmark(tmp_path, script, *args):
+    """Run benchmarks/SCRIPT with ``args`` and ``--json``: its JSON result."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--json",
+                           str(tmp_path / "r.json")], capture_output=True, text=True,
+                          timeout=280, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return json.loads((tmp_path / "r.json").read_text()), done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_soak_benchmark_runs(tmp_path):
+    """benchmarks/soak.py (the soaks' step time) in a short mode, so that it cannot rot."""
+    result, out = _benchmark(tmp_path, "soak.py", "--steps", "50")
+    assert [loop["loop"] for loop in result["loops"]] == ["engine", "runner"]
+    for loop in result["loops"]:
+        assert loop["early_ms"] > 0 and loop["late_ms"] > 0 and loop["target"] == "< 1.5"
+        assert loop["verdict"] == ("met" if loop["slowdown"] < 1.5 else "missed")
+    assert "reference steps" in out
+
+
+@pytest.mark.timeout(300)
+def test_bad_configs_benchmark_runs(tmp_path):
+    """benchmarks/bad_configs.py (how long a refusal takes) in its quick mode."""
+    result, out = _benchmark(tmp_path, "bad_configs.py", "--quick")
+    names = [case["case"] for case in result["cases"]]
+    assert any(n.startswith("corpus/") for n in names) and "alias bomb 12**14" in names
+    assert "nesting '[' x20000" in names
+    assert {case["exit_code"] for case in result["cases"]} <= {0, 2}
+    assert result["slowest"]["seconds"] == max(case["seconds"] for case in result["cases"])
+    assert result["target_s"] == 10.0 and "target < 10 s each" in out
+
+
+@pytest.mark.timeout(300)
+def test_shipped_configs_benchmark_runs(tmp_path):
+    """benchmarks/shipped_configs.py (each shipped config's time) on the quickstart."""
+    result, out = _benchmark(tmp_path, "shipped_configs.py", "--configs", "quickstart")
+    [row] = result["configs"]
+    assert row["config"] == "quickstart" and row["command"] == "train quickstart.yaml"
+    assert row["seconds"] > 0 and result["target_s"] == 60.0
+    assert "quickstart: " in out and "target < 60 s" in out

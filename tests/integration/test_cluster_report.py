@@ -6,9 +6,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cluster_tasks import ClusterTasks
 
 from csrun.core.runner.launch import free_ports
+from tests.helpers.cluster_tasks import ClusterTasks
+
+pytestmark = pytest.mark.process  # cluster tasks as csrun processes
 
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}

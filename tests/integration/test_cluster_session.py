@@ -26,6 +26,11 @@ train: {steps: 1}
 """
 
 
+def first_batch(session):
+    """The first batch of the session's pass (one step's worth)."""
+    state = session.state
+    return next(iter(session.batches.distributed(state.epoch, state.position)))
+
 
 @pytest.mark.timeout(120)
 def test_two_workers_slices_add_up_to_one_central_storage_step():
@@ -51,14 +56,14 @@ def test_two_workers_slices_add_up_to_one_central_storage_step():
         worker.strategy.extended.pull()  # both start from the initial values
     for worker in workers:  # one step each, in turn: no update is stale
         with worker.strategy.scope():
-            worker._train_step([next(iter(worker.batches.distributed(0, 0)))], 0.0)  # a batch
+            worker._train_step([first_batch(worker)], 0.0)
 
     reference = Session(load_config_text(TEXT.replace(
         "kind: parameter_server, compute_devices: [CPU:0]",
         "compute_devices: [CPU:0, CPU:1], parameter_device: CPU:0"), "c.yaml"),
         Outputs(), lambda e: None)
     with reference.strategy.scope():
-        reference._train_step([next(iter(reference.batches.distributed(0, 0)))], 0.0)
+        reference._train_step([first_batch(reference)], 0.0)
 
     workers[0].strategy.extended.pull()
     for mine, theirs in zip(workers[0].model.parameters(), reference.model.parameters()):

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from csrun_cli import csrun_command
+from tests.helpers.cli import csrun_command
+
+pytestmark = pytest.mark.process  # each example as a process
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -20,6 +20,8 @@ import torch
 
 from csrun.core.runner.checkpoint import CheckpointManager
 
+pytestmark = pytest.mark.process  # csrun launch and its tasks
+
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0]}
 dataset:

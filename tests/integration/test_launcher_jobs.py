@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # jobs under launchers
+
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0], num_ps: 1, timeout_s: 60}
 dataset:

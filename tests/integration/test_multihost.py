@@ -14,16 +14,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cluster_tasks import ClusterTasks
 
 from csrun.core.runner.launch import free_ports
+from tests.helpers.cluster_tasks import ClusterTasks
 
 _NETNS = Path(__file__).resolve().parents[2] / "benchmarks" / "netns.py"
 _spec = importlib.util.spec_from_file_location("csrun_bench_netns", _NETNS)
 netns = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(netns)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process  # tasks in network namespaces
 
 CONFIG = """\
 strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}

@@ -4,7 +4,10 @@ training with early stopping, the best checkpoint and the safetensors export."""
 
 import json
 
+import pytest
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.process  # the real CLI
 
 CONFIG = """\
 strategy: {compute_devices: [CPU:0, CPU:1]}

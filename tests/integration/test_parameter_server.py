@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from csrun.core.runner.launch import free_ports
+from tests.helpers import ps_task
 
-TASK = Path(__file__).with_name("ps_task.py")
-
+pytestmark = pytest.mark.process  # cluster tasks as processes
 
 
 def _steps_done(path: Path) -> int:
@@ -41,7 +41,7 @@ class Cluster:
                    PS_RESULT=str(self.tmp / f"{job}{index}{tag}.json"),
                    TF_CONFIG=json.dumps({"cluster": self.spec,
                                          "task": {"type": job, "index": index}}))
-        proc = subprocess.Popen([sys.executable, str(TASK)], env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, ps_task.__file__], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         self.procs[f"{job}{index}{tag}"] = proc
         return proc

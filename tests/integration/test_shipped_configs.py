@@ -2,7 +2,6 @@
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +72,7 @@ def test_shipped_config_validates(path):
     load_config(path, ["strategy.compute_devices=[CPU:0,CPU:1]"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", [c for c in CONFIGS if gpus_needed(c) == 0 and
                                   c.stem != "quickstart" and c not in PS_CONFIGS],
                          ids=lambda c: c.stem)
@@ -83,6 +83,7 @@ def test_cpu_config_trains_end_to_end(path, csrun, tmp_path):
     assert result["status"] == "completed" and result["metrics"]["eval_accuracy"] > 0.9
 
 
+@pytest.mark.process
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", PS_CONFIGS, ids=lambda c: c.stem)
 def test_parameter_server_config_trains_via_launch(path, csrun, tmp_path):
@@ -90,10 +91,8 @@ def test_parameter_server_config_trains_via_launch(path, csrun, tmp_path):
     variables live on the ps, both workers' updates reach it, the holdout is learnt."""
     header = path.read_text().split("\n\n")[0]
     assert f"csrun launch configs/{path.name} --workers 2 --ps 1" in header
-    begin = time.monotonic()
     done = csrun("launch", path, "--workers", "2", "--ps", "1", "--json", "r.json",
                  "--logs", "logs", timeout=200)
-    seconds = time.monotonic() - begin
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr
     launched = json.loads((tmp_path / "r.json").read_text())
     assert launched["status"] == "completed" and launched["chief"] == "worker:0"
@@ -108,19 +107,18 @@ def test_parameter_server_config_trains_via_launch(path, csrun, tmp_path):
     assert cluster["updates"] == {"worker:0": result["steps"], "worker:1": result["steps"]}
     assert cluster["global_step"] == 2 * result["steps"] and cluster["lost_workers"] == []
     assert "[worker:1]" in done.stdout and "csrun launch: completed" in done.stdout
-    assert seconds < 60, f"{path.name} took {seconds:.0f} s"
 
 
-def test_quickstart_under_a_minute_with_a_meaningful_accuracy(csrun, tmp_path):
-    begin = time.monotonic()
+@pytest.mark.process
+def test_quickstart_trains_to_a_meaningful_accuracy(csrun, tmp_path):
+    """(How long it takes, against the README's "under a minute": benchmarks/
+    shipped_configs.py.)"""
     done = csrun("train", CONFIGS[NAMES.index("quickstart")], "--json", "q.json")
-    seconds = time.monotonic() - begin
     assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / "q.json").read_text())
     assert result["strategy"]["compute_devices"] == ["CPU:0", "CPU:1"]
     assert result["metrics"]["eval_accuracy"] > 0.9, result["metrics"]
     assert "held out: accuracy" in done.stdout
-    assert seconds < 60, f"quickstart took {seconds:.0f} s"
 
 
 @pytest.mark.gpu

@@ -1,9 +1,10 @@
-"""Soak: thousands of steps through the whole library loop leak nothing and slow down not.
+"""Soak: thousands of steps through the whole library loop leak nothing.
 
 The loop re-iterates a distributed dataset (a reader thread per pass), runs a model with
 synchronized BatchNorm (worker threads and collectives every step), reduces, and steps
 Adam. After a warm-up, resident memory may grow by less than 5 %, threads and open file
-descriptors must come back to the same count, and the step time must stay steady.
+descriptors must come back to the same count, and fewer objects than steps may be left
+behind. How long the steps take is measured by benchmarks/soak.py (the same loop).
 """
 
 import gc
@@ -13,13 +14,14 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from soak_checks import STEPS, WARMUP, Reference, check_flat, sample
 
 import csrun.core as cs
+from tests.helpers.soak_checks import STEPS, WARMUP, check_flat, sample
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_soak_memory_threads_handles_and_step_time_stay_flat():
+def test_soak_memory_threads_handles_and_objects_stay_flat():
     process = psutil.Process()
     strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
     torch.manual_seed(0)
@@ -40,16 +42,13 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
         loss.backward()
         return loss.detach()
 
-    times, samples, reference = [], {}, Reference()
+    samples = {}
     done = 0
     while done < STEPS:
         for x, y in dist:
-            start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = strategy.reduce("SUM", strategy.run(step, args=(x, y)))
             optimizer.step()
-            times.append(time.perf_counter() - start)
-            reference.step()
             done += 1
             assert torch.isfinite(loss)
             if done in (WARMUP, STEPS):
@@ -59,4 +58,4 @@ def test_soak_memory_threads_handles_and_step_time_stay_flat():
         time.sleep(0)  # let the finished pass's reader thread exit
     gc.collect()
     time.sleep(0.5)
-    check_flat("soak", samples, times, reference.times)
+    check_flat("soak", samples)

@@ -28,7 +28,8 @@ import pytest
 from typer.testing import CliRunner
 
 from csrun.cli.main import app
-from csrun_processes import TINY, child_env, csrun_command
+from tests.helpers.cli import child_env, csrun_command
+from tests.helpers.tiny_config import TINY
 
 SMALL = TINY.replace("train: {steps: 40, log_every: 10}",
                      "train: {steps: 2, log_every: 1}\n"
@@ -507,6 +508,9 @@ def _xfail(reason):
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
+PROCESS = pytest.mark.process  # the hangs and orphans are csrun processes
+
+
 ATTACKS: list = [
     # (class, attack, marks)
     ("data loss", dl_newest_payload_replaced_by_a_directory, ()),
@@ -517,20 +521,20 @@ ATTACKS: list = [
     ("data loss", dl_metrics_a_hard_link_to_the_config, ()),
     ("data loss", dl_checkpoint_dir_holding_the_config_and_notes, ()),
     ("data loss", dl_config_edited_between_runs_holdout, ()),
-    ("hang", hang_train_with_stdin_closed, ()),
-    ("hang", hang_stdout_is_dev_full, ()),
-    ("hang", hang_sigterm_during_validate, ()),
-    ("hang", hang_dataset_file_is_a_fifo, ()),
-    ("hang", hang_take_and_skip_of_10_18, ()),
-    ("hang", hang_shuffle_buffer_of_10_18, ()),
-    ("hang", hang_steps_of_10_18_then_sigterm, ()),
-    ("hang", hang_stdout_a_closed_pipe, ()),
-    ("orphan", orphan_launch_sigterm, ()),
-    ("orphan", orphan_launch_two_ctrl_c, ()),
-    ("orphan", orphan_launcher_sigkilled, ()),
-    ("orphan", orphan_train_sigkilled_with_loader_workers, ()),
-    ("orphan", orphan_train_sigterm_with_loader_workers, ()),
-    ("orphan", orphan_map_fn_raising_in_a_loader_worker, ()),
+    ("hang", hang_train_with_stdin_closed, (PROCESS,)),
+    ("hang", hang_stdout_is_dev_full, (PROCESS,)),
+    ("hang", hang_sigterm_during_validate, (PROCESS,)),
+    ("hang", hang_dataset_file_is_a_fifo, (PROCESS,)),
+    ("hang", hang_take_and_skip_of_10_18, (PROCESS,)),
+    ("hang", hang_shuffle_buffer_of_10_18, (PROCESS,)),
+    ("hang", hang_steps_of_10_18_then_sigterm, (PROCESS,)),
+    ("hang", hang_stdout_a_closed_pipe, (PROCESS,)),
+    ("orphan", orphan_launch_sigterm, (PROCESS,)),
+    ("orphan", orphan_launch_two_ctrl_c, (PROCESS,)),
+    ("orphan", orphan_launcher_sigkilled, (PROCESS,)),
+    ("orphan", orphan_train_sigkilled_with_loader_workers, (PROCESS,)),
+    ("orphan", orphan_train_sigterm_with_loader_workers, (PROCESS,)),
+    ("orphan", orphan_map_fn_raising_in_a_loader_worker, (PROCESS,)),
     ("traceback", tb_emoji_key, ()),
     ("traceback", tb_merge_key_of_itself, ()),
     ("traceback", tb_nan_steps_override, ()),

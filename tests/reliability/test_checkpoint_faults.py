@@ -18,7 +18,7 @@ from csrun.cli.main import app
 from csrun.core.runner.checkpoint import CheckpointError, CheckpointManager
 from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.train import train
-from csrun_processes import TINY
+from tests.helpers.tiny_config import TINY
 
 RUN = ["checkpoint.dir=ck", "checkpoint.every_steps=4", "checkpoint.keep=2",
        "train.steps=12"]

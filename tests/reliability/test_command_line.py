@@ -38,6 +38,7 @@ def test_json_to_a_new_folder_is_fine(tiny, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "new" / "sub" / "r.json").read_text())["status"] == "valid"
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arguments, says", [
     ([b"train.steps=\xff", b"\xff=1"], ["character U+DCFF is not allowed",

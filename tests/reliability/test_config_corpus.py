@@ -3,7 +3,7 @@
 ``corpus/expected.yaml`` lists every case: the file (or a missing one), overrides, the
 exit code and the problems that must be reported (path, ``file:line``, message, hint,
 origin). The ``validate`` fixture checks the common rules (exit 2, no traceback, short
-lines, bounded time).
+lines).
 """
 
 from pathlib import Path

@@ -2,8 +2,9 @@
 
 Each property generates configs (hypothesis) and runs ``csrun validate ... --json -`` on
 them in-process; the ``validate`` fixture checks the common rules of every rejection
-(exit 0 or 2, a JSON list of problems, a short human message, no traceback, bounded
-time). The properties add what each kind of damage must produce.
+(exit 0 or 2, a JSON list of problems, a short human message, no traceback). The
+properties add what each kind of damage must produce; the alias and nesting limits are
+what bound the time (benchmarks/bad_configs.py measures it).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import yaml
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from broken_configs import FUZZ, SIMPLE_KEY, VALID, block_yaml, breaks, related
 from csrun.core.config.safe_yaml import MAX_ALIASES, MAX_DEPTH
+from tests.helpers.broken_configs import FUZZ, SIMPLE_KEY, VALID, block_yaml, breaks, related
 
 
 def _expect_refusal(outcome, broken, text: str | None = None, override: str | None = None):

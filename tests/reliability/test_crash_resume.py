@@ -17,9 +17,12 @@ from typer.testing import CliRunner
 from csrun.cli.main import app
 from csrun.core.runner.dir_lock import LOCK_NAME
 from csrun.core.runner.checkpoint import CheckpointManager
-from csrun_processes import TINY, child_env, csrun_command
+from tests.helpers import crash_driver
+from tests.helpers.cli import child_env, csrun_command
+from tests.helpers.tiny_config import TINY
 
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.process  # killed csrun processes
+
 LONG = ["train.steps=240", "checkpoint.dir=ck", "checkpoint.every_steps=20",
         "checkpoint.keep=3"]
 
@@ -81,7 +84,7 @@ def test_kill_9_twice_then_resume_ends_like_an_uninterrupted_run(spawn, csrun, t
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(point, csrun, tiny,
                                                                    tmp_path, uninterrupted,
                                                                    monkeypatch):
-    driver = [sys.executable, str(HERE / "crash_driver.py"), point, "100"]
+    driver = [sys.executable, crash_driver.__file__, point, "100"]
     crashed = csrun("train", tiny, *LONG, command=driver)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     folder = tmp_path / "ck"

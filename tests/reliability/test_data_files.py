@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import csrun.core.data.sources as sources
-from broken_configs import VALID, block_yaml
 from csrun.cli.main import app
+from tests.helpers.broken_configs import VALID, block_yaml
 
 
 def _npz(path, **arrays):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from csrun_processes import TINY
+from tests.helpers.tiny_config import TINY
 
 BIG = "7" * 5000
 
@@ -52,6 +52,7 @@ def test_a_huge_integer_in_tf_config_is_a_problem_of_tf_config(validate, tmp_pat
                for p in outcome.problems), outcome.problems
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_validate_of_a_huge_repeat_count_ends_at_once(csrun, tmp_path):
     """The plan of 10**12 repeats was walked to count its steps: validate never ended."""

@@ -14,7 +14,10 @@ import time
 
 import pytest
 
-from csrun_processes import TINY, child_env
+from tests.helpers.cli import child_env
+from tests.helpers.tiny_config import TINY
+
+pytestmark = pytest.mark.process  # csrun processes, interrupted
 
 USER_MODULE = '''\
 import atexit, os, pathlib, time

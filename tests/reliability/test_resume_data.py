@@ -7,7 +7,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from csrun.cli.main import app
-from csrun_processes import TINY
+from tests.helpers.tiny_config import TINY
 
 CONFIG = TINY.replace("source: {kind: synthetic, examples: 96, features: 6, classes: 3}",
                       "source: {kind: file, path: data.npz}")

@@ -21,7 +21,7 @@ import csrun.core as core
 import csrun.core.config.targets as targets
 from csrun.cli.main import app
 from csrun.core.runner.digests import file_sha256
-from csrun_processes import TINY
+from tests.helpers.tiny_config import TINY
 
 SOURCES = sorted((Path(core.__file__).parent).rglob("*.py")) + \
     sorted((Path(sys.modules["csrun.cli.main"].__file__).parent).glob("*.py"))
@@ -52,7 +52,9 @@ TAGS = {  # tag -> whether PyYAML's unsafe loader runs it (shown before csrun re
 }
 
 
-@pytest.mark.parametrize("tag", sorted(TAGS))
+# a live payload starts `touch` (run by the unsafe loader, to show that it is live)
+@pytest.mark.parametrize("tag", [pytest.param(t, marks=pytest.mark.process) if TAGS[t] else t
+                                 for t in sorted(TAGS)])
 @pytest.mark.parametrize("where", ["file", "override", "%TAG directive"])
 def test_yaml_python_tags_are_refused_and_never_run(tag, where, folder):
     marker = folder / "pwned"

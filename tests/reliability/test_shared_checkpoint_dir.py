@@ -26,6 +26,7 @@ def _wait_for_checkpoint(folder, process, seconds=120):
         time.sleep(0.1)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_a_second_run_on_a_busy_checkpoint_dir_is_refused(spawn, csrun, tiny, tmp_path):
     first = spawn("train", tiny, *LONG)

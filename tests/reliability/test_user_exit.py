@@ -9,7 +9,10 @@ import os
 
 import pytest
 
-from csrun_processes import TINY, child_env
+from tests.helpers.cli import child_env
+from tests.helpers.tiny_config import TINY
+
+pytestmark = pytest.mark.process  # csrun processes
 
 USER_CODE = '''\
 import os, sys

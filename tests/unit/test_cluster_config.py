@@ -201,7 +201,6 @@ def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
 @pytest.mark.timeout(30)
 def test_workers_waiting_for_the_chief_hear_its_abort():
     import datetime
-    import time
 
     import torch.distributed as dist
 
@@ -213,12 +212,12 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
     client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
     client._store, client._stop, client._watch = store, None, None
     threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
-    begin = time.monotonic()
+    # heard: waiting out the 20 s would raise "did not initialize the variables" instead
     with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
         client.wait_initialized(20)
-    assert time.monotonic() - begin < 5
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     # ps:0 hosts the job's store: when it dies while a worker counts a step (not only

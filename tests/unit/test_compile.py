@@ -107,6 +107,7 @@ def test_compiled_replicas_do_not_recompile_with_aot_eager():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_compiled_replicas_with_inductor_match_eager():
     eager_losses, eager_params, _ = _train(_strategy(2), steps=4)

@@ -151,6 +151,7 @@ def test_loader_skips_to_a_position_without_changing_what_follows():
     assert len(p.loader(epoch=2, skip=4)) == len(whole) - 4
 
 
+@pytest.mark.process
 def test_worker_processes_load_the_same_batches():
     steps = [{"op": "shuffle", "buffer": 50}, {"op": "batch", "size": 7},
              {"op": "map", "fn": "test_datasets_pipeline:double_features"}]

@@ -11,9 +11,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from replica_training import train_bits
 
 import csrun.core as cs
+from tests.helpers.replica_training import train_bits
 
 
 def _strategy(n=2, **options):
@@ -51,6 +51,7 @@ def test_rendezvous_lock_exists_before_any_worker_starts():
     assert run.execute() == [0, 1, 2] and seen == [(True, True), (True, True)]
 
 
+@pytest.mark.slow  # 3000 rounds: a stress test
 @pytest.mark.timeout(120)
 def test_concurrent_rendezvous_never_deadlocks_under_stress():
     strategy = _strategy(2, execution="concurrent")
@@ -602,6 +603,7 @@ def test_buffer_reassigned_inside_a_replica():
 
 
 # -- input --------------------------------------------------------------------------------
+@pytest.mark.process
 def test_dataloader_with_worker_processes():
     strategy = _strategy(2)
     dataset = torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10))

@@ -12,14 +12,10 @@ from csrun.core.config.schema import OptimizerConfig
 from csrun.core.runner.optimizers import build_optimizer
 from csrun.core.runner.preflight import load_config, load_config_text
 from csrun.core.runner.schedules import build_schedule
+from tests.helpers.tiny_config import tiny_config
 
-TINY = """\
-dataset:
-  source: {kind: synthetic, examples: 40, features: 4, classes: 2}
-  steps: [{op: batch, size: 8}]
-model: {kind: linear}
-train: {steps: 2}
-"""
+# the tests set the optimizer section; all of a 20-example data file is for training
+TINY = tiny_config("~optimizer", "~dataset.holdout")
 
 
 class Block(torch.nn.Module):

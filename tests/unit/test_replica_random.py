@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from replica_training import train_bits
 
 import csrun.core as cs
 from csrun.core.distribute.replica_random import ReplicaRandom
+from tests.helpers.replica_training import train_bits
 
 
 def _strategy(n=2, **options):

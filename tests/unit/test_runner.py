@@ -14,19 +14,12 @@ from csrun.core.config.problems import ConfigError
 from csrun.core.runner.errors import NonFiniteLoss
 from csrun.core.runner.session import Outputs
 from csrun.core.runner.train import train
+from tests.helpers.tiny_config import tiny_config
 
-TINY = """\
-strategy: {compute_devices: [CPU:0, CPU:1]}
-dataset:
-  source: {kind: synthetic, examples: 120, features: 6, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 200}
-    - {op: batch, size: 16}
-model: {kind: mlp, hidden: [8], dropout: 0.2}
-optimizer: {name: SGD, lr: 0.1, kwargs: {momentum: 0.9}}
-train: {epochs: 3, log_every: 5}
-"""
+TINY = tiny_config("~strategy.parameter_device", "dataset.source.examples=120",
+                   "dataset.steps.0.buffer=200", "model={kind: mlp, hidden: [8], dropout: 0.2}",
+                   "optimizer={name: SGD, lr: 0.1, kwargs: {momentum: 0.9}}",
+                   "train={epochs: 3, log_every: 5}")
 
 
 def config(*overrides, text=TINY):

@@ -15,17 +15,11 @@ from csrun.core.runner.export import export_safetensors
 from csrun.core.runner.preflight import load_config_text
 from csrun.core.runner.session import Outputs, Session
 from csrun.core.runner.train import train
+from tests.helpers.tiny_config import tiny_config
 
-TINY = """\
-strategy: {compute_devices: [CPU:0, CPU:1]}
-dataset:
-  source: {kind: synthetic, examples: 120, features: 6, classes: 3}
-  holdout: 0.25
-  steps: [{op: shuffle, buffer: 200}, {op: batch, size: 16}]
-model: {kind: mlp, hidden: [8]}
-optimizer: {name: SGD, lr: 0.1}
-train: {steps: 12, log_every: 6}
-"""
+TINY = tiny_config("~strategy.parameter_device", "dataset.source.examples=120",
+                   "dataset.steps.0.buffer=200", "model.hidden=[8]",
+                   "optimizer={name: SGD, lr: 0.1}", "train={steps: 12, log_every: 6}")
 
 # A linear regression without shuffling: a big batch and accumulated small ones see the
 # same examples in the same order.

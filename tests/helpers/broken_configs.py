@@ -25,7 +25,7 @@ from csrun.core.config import schema as config_module
 from csrun.core.runner.optimizers import optimizer_names
 
 # Each property runs this many examples; CSRUN_FUZZ_EXAMPLES raises it for a long local
-# run. No deadline from hypothesis: the time of each case is asserted by the tests.
+# run. No deadline from hypothesis: timing is benchmarks/bad_configs.py's, not a test's.
 FUZZ = settings(max_examples=int(os.environ.get("CSRUN_FUZZ_EXAMPLES", "100")),
                 deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                       HealthCheck.function_scoped_fixture])

@@ -1,8 +1,9 @@
 """A user model that fails on cue, for the training-fault tests.
 
-Configs name it as any importable model (this folder is on ``PYTHONPATH`` in the tests)::
+Configs name it as any importable model (the repository is on ``PYTHONPATH`` in the
+tests)::
 
-    model: {kind: import, target: "injected_faults:FaultyMLP",
+    model: {kind: import, target: "tests.helpers.injected_faults:FaultyMLP",
             kwargs: {features: 6, classes: 3, batch_norm: true}}
 
 What goes wrong, and where, is ``"MODE:STEP:REPLICA"`` in :data:`FAULT` (in-process
