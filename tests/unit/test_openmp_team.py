@@ -229,6 +229,7 @@ def _python(code: str, **env) -> str:
     return done.stdout
 
 
+@pytest.mark.process  # starts a fresh interpreter
 @needs_team
 @pytest.mark.parametrize("loaded", ["before torch", "after torch"])
 def test_the_team_is_torchs_libgomp_when_another_copy_is_loaded(tmp_path, loaded):
@@ -258,6 +259,7 @@ def test_the_team_is_torchs_libgomp_when_another_copy_is_loaded(tmp_path, loaded
     assert out.split() == ["2", team.omp.path, "0"]
 
 
+@pytest.mark.process  # forks
 @needs_team
 def test_a_forked_child_finds_the_team_again():
     out = _python("""
@@ -279,6 +281,7 @@ def test_a_forked_child_finds_the_team_again():
     assert out.split() == ["0", "0", "True"]
 
 
+@pytest.mark.process  # starts a fresh interpreter
 def test_nothing_is_registered_for_fork_until_the_team_is_first_looked_for():
     out = _python("""
         import os

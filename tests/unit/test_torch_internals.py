@@ -201,6 +201,7 @@ def test_pytree_leaves():
         assert ti.pytree_leaves(object) == [object]  # not a container: itself
 
 
+@pytest.mark.process  # starts a fresh interpreter
 def test_compiler_in_use_only_once_compile_was_called():
     out = _run_python("""
         import sys, torch
@@ -214,6 +215,7 @@ def test_compiler_in_use_only_once_compile_was_called():
         f"torch_internals.compiler_in_use with torch {torch.__version__}: {out}"
 
 
+@pytest.mark.process  # starts a fresh interpreter
 def test_compile_first_used_inside_a_run_matches_eager():
     # The compiled-read fallback is wrapped with torch.compiler.disable once compile is
     # in use (the first run after it was): a model compiled inside the very first run
@@ -495,6 +497,7 @@ def _ours(hooks: dict) -> list:
     return [h for h in hooks.values() if getattr(h, "__module__", "").startswith("csrun.")]
 
 
+@pytest.mark.process  # starts a fresh interpreter
 def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
     # in a fresh process: here other tests' strategies may still be alive
     out = _run_python("""
@@ -672,6 +675,7 @@ if "torch._dynamo" in sys.modules:
 """
 
 
+@pytest.mark.process  # starts a fresh interpreter
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
 def test_import_takes_no_process_wide_state():
     out = _run_python(_STATE)
