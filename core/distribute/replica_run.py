@@ -679,16 +679,15 @@ class ReplicaExecutor:
         worker.inbox.put(task)
 
     def shutdown(self) -> None:
-        """Stop every worker thread (they are idle between runs; one still in user code
-        is waited for 5 s at most)."""
+        """Stop every worker thread: each ends after its current task (idle between
+        runs). Nothing waits for them (daemon threads): this runs in a finalizer, at any
+        moment of the collecting thread's work, and a Ctrl-C that lands while a finalizer
+        waits is lost (Python ignores exceptions raised in finalizers)."""
         with self._lock:
             workers = list(self._workers.values())
             self._workers.clear()
         for worker in workers:
             worker.inbox.put(None)
-        for worker in workers:
-            if worker.thread is not threading.current_thread():
-                worker.thread.join(5.0)
 
     @property
     def num_threads(self) -> int:

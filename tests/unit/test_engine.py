@@ -109,6 +109,21 @@ def test_worker_threads_end_with_their_strategy():
     assert threading.active_count() <= before
 
 
+def test_a_collected_strategy_does_not_wait_for_a_busy_worker():
+    """Its workers are stopped from a finalizer, at any moment of the main thread's work:
+    a wait there would swallow a Ctrl-C that lands in it (Python ignores exceptions in
+    finalizers), as a full test run showed. A worker still in a task ends after it."""
+    from csrun.core.distribute.replica_run import ReplicaExecutor
+    executor, released, stopped = ReplicaExecutor("test"), threading.Event(), threading.Event()
+    executor.submit(1, released.wait)  # a worker busy until the end of the test
+    threading.Thread(target=lambda: (executor.shutdown(), stopped.set()), daemon=True).start()
+    try:
+        assert stopped.wait(10), "shutdown waited for a busy worker"
+        assert executor.num_threads == 0
+    finally:
+        released.set()
+
+
 def test_workers_inherit_grad_mode_of_the_caller():
     strategy = _strategy(2)
 
