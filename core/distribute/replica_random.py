@@ -110,7 +110,9 @@ def _on_cpu(args: tuple, kwargs: dict) -> bool:
 
 
 # -- dropout with a mask from the replica's generator (ATen's _dropout_impl, op for op) ---
-def _dropout(g: torch.Generator, input: torch.Tensor, p: float, train: bool,
+# ``g`` is a function that returns the generator: it is called only for a mask, so that
+# dropout at p=0 or in eval mode draws nothing (not even the run's seed), as in torch.
+def _dropout(g: Callable[[], torch.Generator], input: torch.Tensor, p: float, train: bool,
              feature: bool = False, alpha: bool = False, inplace: bool = False):
     if p < 0 or p > 1:
         raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
@@ -126,7 +128,7 @@ def _dropout(g: torch.Generator, input: torch.Tensor, p: float, train: bool,
         noise = torch.empty(shape, dtype=input.dtype, device=input.device)
     else:
         noise = torch.empty_like(input)
-    noise.bernoulli_(1 - p, generator=g)
+    noise.bernoulli_(1 - p, generator=g())
     if alpha:
         a_ = 1.7580993408473766
         a = 1.0 / ((a_ * a_ * p + 1) * (1 - p)) ** 0.5
@@ -171,7 +173,7 @@ def _rrelu(g, args, kwargs):
     bound.apply_defaults()
     x, lower, upper, training, inplace = bound.arguments.values()
     op = torch.rrelu_ if inplace else torch.rrelu
-    return op(x, lower, upper, training, generator=g)
+    return op(x, lower, upper, training, generator=g() if training else None)
 
 
 def _dropouts() -> dict:
@@ -246,7 +248,7 @@ class ReplicaRandom(TorchFunctionMode):
         if impl is not None:
             tensor = _first_tensor(args) if args else kwargs.get("input")
             if tensor is None or tensor.is_cpu:
-                return impl(self._own(), args, kwargs)
+                return impl(self._own, args, kwargs)
         elif ((func in _TAKES_GENERATOR or (isinstance(func, OpOverload)
                                             and _op_takes_generator(func)))
               and kwargs.get("generator") is None and _on_cpu(args, kwargs)):
