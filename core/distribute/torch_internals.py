@@ -32,7 +32,9 @@ __all__ = [
     "has_post_accumulate_grad_hook", "current_backward_id", "queue_backward_callback",
     "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
-    "PRIVATE_SAMPLERS", "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
+    "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
+    "function_modes",
+    "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
 ]
 
 
@@ -167,6 +169,42 @@ def op_takes_generator(op: OpOverload) -> bool:
 # torch.distributions' Gamma, Beta and Dirichlet): a replica's stream must cover them.
 PRIVATE_SAMPLERS: tuple = tuple(getattr(torch, name) for name in
                                 ("_standard_gamma", "_sample_dirichlet") if hasattr(torch, name))
+
+
+# torch.utils.checkpoint (reentrant or not) saves the CPU generator's state in the forward
+# with ``torch.get_rng_state()`` and restores it with ``torch.set_rng_state()`` before it
+# recomputes, inside ``torch.random.fork_rng``, which saves and restores the same way; each
+# looks the function up on the ``torch`` module when called. A CPU replica draws from a
+# generator of its own, which they do not know of: while replica streams exist, csrun's
+# functions stand there (inside a replica they save and restore its stream as well), and
+# torch's own come back with the last stream. torch has no hook for either.
+_RNG_STATE_MODULES = (torch, torch.random)
+
+
+def replace_rng_state_functions(get_state: Callable, set_state: Callable) -> tuple:
+    """Make ``get_state``/``set_state`` what ``torch.get_rng_state``/``set_rng_state`` and
+    ``torch.random``'s are; returns the functions they replaced (torch's, to call)."""
+    replaced = (torch.get_rng_state, torch.set_rng_state)
+    for module in _RNG_STATE_MODULES:
+        module.get_rng_state, module.set_rng_state = get_state, set_state
+    return replaced
+
+
+def restore_rng_state_functions(replaced: tuple, ours: tuple) -> None:
+    """Put ``replaced`` back wherever ``ours`` still stand (a later patch of someone else's
+    stays)."""
+    for module in _RNG_STATE_MODULES:
+        for name, theirs, mine in zip(("get_rng_state", "set_rng_state"), replaced, ours):
+            if getattr(module, name) is mine:
+                setattr(module, name, theirs)
+
+
+def function_modes() -> list:
+    """This thread's torch function modes, outermost first. A backward runs without the
+    modes of the code that called it (torch does not carry them into the autograd
+    engine), so a checkpoint's recomputation needs a replica's random stream entered
+    again; this says whether it is. torch has no public way to list them."""
+    return torch.overrides._get_current_function_mode_stack()
 
 
 # -- OpenMP -----------------------------------------------------------------------------

@@ -306,6 +306,69 @@ def test_private_samplers_take_a_generator():
             assert torch.equal(*draws)
 
 
+def test_rng_state_functions_are_what_checkpointing_and_fork_rng_call():
+    from torch.utils.checkpoint import checkpoint
+    calls = []
+    real = (torch.get_rng_state, torch.set_rng_state)
+
+    def get_state():
+        calls.append("get")
+        return real[0]()
+
+    def set_state(state):
+        calls.append("set")
+        real[1](state)
+    with relied_on("replace_rng_state_functions / restore_rng_state_functions"):
+        replaced = ti.replace_rng_state_functions(get_state, set_state)
+        try:
+            assert replaced == real
+            assert torch.random.get_rng_state is get_state
+            x = torch.ones(3, requires_grad=True)
+            for reentrant in (True, False):
+                calls.clear()
+                checkpoint(lambda v: torch.nn.functional.dropout(v * 2, 0.5), x,
+                           use_reentrant=reentrant).sum().backward()
+                # forward: save; recompute: fork_rng saves, restores the forward's, restores
+                assert calls == ["get", "get", "set", "set"], (reentrant, calls)
+        finally:
+            ti.restore_rng_state_functions(replaced, (get_state, set_state))
+        assert (torch.get_rng_state, torch.set_rng_state) == real
+        assert torch.random.set_rng_state is real[1]
+        # a later patch of someone else's stays
+        ti.replace_rng_state_functions(get_state, set_state)
+        torch.get_rng_state = len
+        try:
+            ti.restore_rng_state_functions(real, (get_state, set_state))
+            assert torch.get_rng_state is len and torch.set_rng_state is real[1]
+        finally:
+            torch.get_rng_state = real[0]
+
+
+def test_function_modes_lists_this_threads_modes_and_none_in_a_backward():
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(ti.function_modes())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(ti.function_modes())
+            return grad * 2
+    with relied_on("function_modes"):
+        mode = Mode()
+        assert ti.function_modes() == []
+        with mode:
+            Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        assert seen == [[mode], []]
+
+
 def test_uses_openmp_reads_torchs_report():
     with relied_on("uses_openmp"):
         lines = [line for line in torch.__config__.parallel_info().splitlines()
@@ -551,6 +614,35 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
     """)
     assert out.splitlines() == ["[0, 0, 0]", "[1, 1, 1]", "[1, 1, 1]", "[0, 0, 0]",
                                 "[1, 1, 1] [[-1.0, -1.0]]", "[1, 1, 1]", "[0, 0, 0]"]
+
+
+def test_rng_state_functions_are_csruns_while_replica_streams_live():
+    # in a fresh process: here other tests' strategies may still be alive
+    out = _run_python("""
+        import gc
+        import torch
+        import csrun.core as cs
+        from csrun.core.distribute import replica_random
+
+        def ours():
+            return (torch.get_rng_state is replica_random.get_rng_state,
+                    torch.random.set_rng_state is replica_random.set_rng_state)
+
+        print(ours())
+        one = cs.CentralStorageStrategy(["CPU:0"], "CPU:0")  # one replica: no streams
+        print(ours())
+        first, second = [cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+                         for _ in range(2)]
+        print(ours())
+        del first
+        gc.collect()
+        print(ours())
+        del second
+        gc.collect()
+        print(ours())
+    """)
+    assert out.splitlines() == ["(False, False)", "(False, False)", "(True, True)",
+                                "(True, True)", "(False, False)"]
 
 
 def _strategy(n=2):
