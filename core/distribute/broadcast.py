@@ -81,7 +81,10 @@ class DeviceMirror:
         updated parameters) keeps the gradients the leaves already hold.
         """
         if store.generation != self._generation or self._layout_changed():
-            self._build(store.tensors())
+            if reset_grads or self._layout_changed():
+                self._build(store.tensors())
+            else:  # tensors registered during a run: the leaves served so far stay valid
+                self._extend(store.tensors())
             self._generation = store.generation
         for group in self._groups:
             group.refresh()
@@ -95,15 +98,21 @@ class DeviceMirror:
                    for group in self._groups for t, leaf in zip(group.tensors, group.leaves))
 
     def _build(self, tensors: list) -> None:
+        self._groups, self._leaf_of = [], {}
+        self._extend(tensors)
+
+    def _extend(self, tensors: list) -> None:
+        """Flat buffers for the tensors that have none yet (a module adopted in a run's
+        middle: rebuilding would orphan the leaves already served, and their gradients)."""
         by_dtype: dict = {}
         for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        self._groups = [_Group(ts, self.device, self.param_device)
-                        for ts in by_dtype.values()]
-        self._leaf_of = {}
-        for group in self._groups:
+            if tensor not in self._leaf_of:
+                by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        groups = [_Group(ts, self.device, self.param_device) for ts in by_dtype.values()]
+        for group in groups:
             for tensor, leaf in zip(group.tensors, group.leaves):
                 self._leaf_of[tensor] = leaf
+        self._groups += groups
 
     def leaf(self, central: torch.Tensor) -> torch.Tensor:
         leaf = self._leaf_of.get(central)

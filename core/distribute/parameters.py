@@ -34,6 +34,11 @@ leaves hold the central tensors weakly: a model deleted by the user is freed, no
 its replicas (device mirrors, for copies, still keep theirs: see
 :meth:`ParameterStore.forget`).
 
+**Modules built outside the scope** ("build, then wrap") are served the same way from
+their first call inside a replica on (:meth:`ParameterStore.adopt_in_use`): while a run is
+going every module call passes :func:`_module_call` first. One that cannot be served (on
+another device, or another strategy's) is refused there, naming it.
+
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
 (default MEAN for floating buffers, ONLY_FIRST_REPLICA for integer ones).
@@ -57,7 +62,7 @@ from .values import flatten
 from .variables import VariableAggregation
 
 __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
-           "get_aggregation", "serve_while"]
+           "get_aggregation", "serve_while", "module_calls"]
 
 _KINDS = ("parameter", "buffer")
 
@@ -278,6 +283,49 @@ class ParameterStore:
         for value in dict.values(tensor_dict(module, "parameter")):
             if value is not None:
                 self.register_tensor(value)
+
+    def adopt_in_use(self, module: torch.nn.Module) -> None:
+        """``module`` was called inside one of this store's replicas, but it (or a module
+        in it) was built outside the strategy's scope: serve it from now on exactly as if
+        it had been built there (parameters central, buffers per replica, BatchNorm
+        synchronized). Its tensors stay the same objects (an optimizer made before keeps
+        working). Every replica's first call of it comes here before the module runs, so
+        none reads it unserved; the lock lets one adopt and the others find it done.
+
+        Raises:
+          RuntimeError: naming the module, when it lives on another device than the
+            parameter device, belongs to another strategy, or its dicts are not torch's.
+        """
+        with self._lock:
+            compiled = torch_internals.compiled_module_type()
+            if compiled is not None and isinstance(module, compiled):
+                module = torch_internals.compiled_original(module)
+            top = type(module).__name__
+            for path, sub in module.named_modules():
+                name = f"{top}.{path} ({type(sub).__name__})" if path else \
+                    f"{top}({module.extra_repr()})"
+                self._adopt_built_outside(sub, name)
+
+    def _adopt_built_outside(self, module: torch.nn.Module, what: str) -> None:
+        dicts = torch_internals.tensor_dicts(module)
+        if not any(dicts) or all(isinstance(d, ServedDict) and d.store is self for d in dicts):
+            return
+        if any(isinstance(d, ServedDict) for d in dicts):
+            raise RuntimeError(
+                f"{what} was built in another strategy's scope; a module is served by one "
+                "strategy: build it (or a copy) in this strategy's scope")
+        if any(d is not None and type(d) is not type(plain_tensor_dict(())) for d in dicts):
+            raise RuntimeError(f"{what} was built outside strategy.scope() and holds its "
+                               "tensors in a dict csrun cannot serve; build it inside the scope")
+        for tensor in [t for d in dicts for t in dict.values(d) if t is not None]:
+            if tensor.device != self._torch_param:
+                raise RuntimeError(
+                    f"{what} was built outside strategy.scope() and lives on "
+                    f"{tensor.device}, but the strategy keeps parameters on "
+                    f"{self.parameter_device.short_name}; build (or load) it inside "
+                    "`with strategy.scope():`, which places it there")
+        self.adopt(module)
+        sync_batch_norm.install(module)
 
     def release_modules(self) -> None:
         """Give the modules this store adopted their plain dicts and their class's
@@ -743,6 +791,57 @@ def accumulate(centrals: list, grads: list) -> None:
             existing_g.append(grad)
     if existing_p:
         torch_internals.foreach_add_(existing_p, existing_g)
+
+
+# -- module calls while runs go ---------------------------------------------------------
+_torch_module_call = torch.nn.Module.__call__  # torch's own, which ours ends in
+
+
+def _module_call(module: torch.nn.Module, *args, **kwargs):
+    """``Module.__call__`` while a run is going: in a replica, a module whose own tensors
+    its strategy does not serve (built outside the scope) is adopted first."""
+    serving = context.current_serving()
+    if serving is not None:
+        store = serving.store
+        params, buffers = torch_internals.tensor_dicts(module)
+        if ((params and (type(params) is not ServedDict or params.store is not store))
+                or (buffers and (type(buffers) is not ServedDict or buffers.store is not store))
+                or type(module) is _compiled_type) and not torch.compiler.is_compiling():
+            store.adopt_in_use(module)
+    return _torch_module_call(module, *args, **kwargs)
+
+
+# torch.compile's module class once the compiler is in use (its submodules run inside
+# compiled code, so the wrapper itself is adopted with them), else a class nothing is
+_compiled_type: type = type("_NotCompiled", (), {})
+
+
+class _ModuleCalls:
+    """:func:`_module_call` stands in ``Module.__call__`` while any run is going."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._runs = 0
+        self._torchs = None
+
+    def acquire(self) -> None:
+        global _compiled_type
+        with self._lock:
+            if self._runs == 0:
+                self._torchs = torch_internals.route_module_calls(_module_call)
+                compiled = torch_internals.compiled_module_type()
+                if compiled is not None:
+                    _compiled_type = compiled
+            self._runs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._runs -= 1
+            if self._runs == 0:
+                torch_internals.restore_module_calls(self._torchs, _module_call)
+
+
+module_calls = _ModuleCalls()
 
 
 # -- placement hooks --------------------------------------------------------------------

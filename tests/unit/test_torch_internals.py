@@ -136,6 +136,48 @@ def test_tensor_dict_is_what_module_reads_and_writes():
             assert type(plain) is type(ti.tensor_dict(fresh, kind)) and plain == {"x": None}
 
 
+def test_tensor_dicts_are_the_dicts_a_module_reads():
+    with relied_on("tensor_dicts"):
+        bn = nn.BatchNorm1d(2)
+        params, buffers = ti.tensor_dicts(bn)
+        assert params is ti.tensor_dict(bn, "parameter") and list(params) == ["weight", "bias"]
+        assert buffers is ti.tensor_dict(bn, "buffer") and "running_mean" in buffers
+
+
+def test_route_module_calls_sees_every_module_call():
+    seen = []
+    with relied_on("route_module_calls / restore_module_calls"):
+        torchs = nn.Module.__call__
+
+        def ours(module, *args, **kwargs):
+            seen.append(type(module).__name__)
+            return torchs(module, *args, **kwargs)
+        assert ti.route_module_calls(ours) is torchs
+        try:
+            model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            out = model(torch.ones(1, 2))
+        finally:
+            ti.restore_module_calls(torchs, ours)
+        assert seen == ["Sequential", "Linear", "ReLU"] and out.shape == (1, 2)
+        assert nn.Module.__call__ is torchs
+        ti.route_module_calls(ours)
+        nn.Module.__call__ = len  # a later patch of someone else's stays
+        try:
+            ti.restore_module_calls(torchs, ours)
+            assert nn.Module.__call__ is len
+        finally:
+            nn.Module.__call__ = torchs
+
+
+def test_compiled_module_type_and_compiled_original():
+    with relied_on("compiled_module_type / compiled_original"):
+        model = nn.Linear(2, 2)
+        compiled = torch.compile(model, backend="eager")
+        assert ti.compiled_module_type() is type(compiled)
+        assert ti.compiled_original(compiled) is model
+        assert not isinstance(model, ti.compiled_module_type())
+
+
 def test_tensor_version():
     with relied_on("tensor_version"):
         t = torch.zeros(3)
