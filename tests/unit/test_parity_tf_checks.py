@@ -8,6 +8,8 @@ Each test is what TF 2.21 does (its ``tf.distribute`` sources and API pages: the
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -57,3 +59,40 @@ def test_compute_average_loss_refuses_weights_that_do_not_fit(shape):
                                 global_batch_size=4)
 
 
+# -- merge_call and collectives: on the replica's own thread -----------------------------------
+@pytest.mark.parametrize("call", ["merge_call", "all_reduce", "all_gather"])
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+def test_a_collective_from_another_thread_is_refused(call, execution):
+    s = _strategy(2, execution=execution)
+    errors = []
+
+    def from_a_thread(ctx):
+        try:
+            if call == "merge_call":
+                ctx.merge_call(lambda strategy: None)
+            elif call == "all_reduce":
+                ctx.all_reduce("SUM", torch.ones(1))
+            else:
+                ctx.all_gather(torch.ones(1), axis=0)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    def fn():
+        thread = threading.Thread(target=from_a_thread, args=(cs.get_replica_context(),),
+                                  daemon=True)
+        thread.start()
+        thread.join(10)  # it used to wait forever
+        return thread.is_alive()
+    assert s.run(fn) is False  # the thread ended (same object from both replicas)
+    assert len(errors) == 2 and all(f"{call} of replica" in e and "outside that replica" in e
+                                    for e in errors)
+
+
+def test_merge_call_inside_merge_fn_still_says_so():
+    s = _strategy(2)
+
+    def fn():
+        ctx = cs.get_replica_context()
+        return ctx.merge_call(lambda strategy: ctx.merge_call(lambda _: None))
+    with pytest.raises(RuntimeError, match="cannot be called inside merge_call's merge_fn"):
+        s.run(fn)
