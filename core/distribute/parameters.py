@@ -366,6 +366,16 @@ class ParameterStore:
     def owns(self, tensor: torch.Tensor) -> bool:
         return self._tensors.get(id(tensor)) is tensor
 
+    def holds_buffer(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a buffer of a module this store serves (a scan: for
+        cross-replica checks, not hot paths)."""
+        for module in list(self._adopted):
+            buffers = tensor_dict(module, "buffer")
+            if isinstance(buffers, ServedDict) and buffers.store is self and any(
+                    b is tensor for b in dict.values(buffers)):
+                return True
+        return False
+
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before any ``optimizer.step()``: collect gradients still on replicas."""
         self.flush_pending()
