@@ -30,7 +30,8 @@ __all__ = [
     "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
     "tensor_dict", "set_tensor_dict", "plain_tensor_dict", "tensor_dicts", "tensor_version",
     "route_module_calls", "restore_module_calls", "compiled_module_type", "compiled_original",
-    "has_post_accumulate_grad_hook", "current_backward_id", "queue_backward_callback",
+    "has_post_accumulate_grad_hook", "grad_hooks", "route_hook_registration",
+    "restore_hook_registration", "current_backward_id", "queue_backward_callback",
     "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
@@ -139,6 +140,45 @@ def has_post_accumulate_grad_hook(tensor: torch.Tensor, hook: Callable) -> bool:
     output that is a leaf is watched once, however many runs return it."""
     hooks = tensor._post_accumulate_grad_hooks
     return bool(hooks) and any(h is hook for h in hooks.values())
+
+
+def grad_hooks(tensor: torch.Tensor) -> tuple[list, list]:
+    """``tensor``'s gradient hooks (``register_hook``) and post-accumulate-grad hooks, in
+    the order torch runs them. A replica's leaf does not carry its central tensor's: csrun
+    runs them on the replicas' summed gradient (no public way to list them)."""
+    pre, post = tensor._backward_hooks, tensor._post_accumulate_grad_hooks
+    return (list(pre.values()) if pre else [], list(post.values()) if post else [])
+
+
+# Which central tensors carry hooks, without asking each at every step (~55 ns a
+# parameter): while a strategy lives, the two ways to register one on a tensor tell csrun.
+_HOOK_METHODS = ("register_hook", "register_post_accumulate_grad_hook")
+
+
+def route_hook_registration(noted: Callable[[torch.Tensor], None]) -> dict:
+    """Make ``Tensor.register_hook`` and ``Tensor.register_post_accumulate_grad_hook``
+    call ``noted(tensor)`` after torch's own; returns torch's, for
+    :func:`restore_hook_registration`."""
+    torchs = {name: getattr(torch.Tensor, name) for name in _HOOK_METHODS}
+
+    def routed(original: Callable) -> Callable:
+        def register(self, hook):
+            handle = original(self, hook)
+            noted(self)
+            return handle
+        register.__wrapped__ = original
+        register.__doc__ = original.__doc__
+        return register
+    for name, original in torchs.items():
+        setattr(torch.Tensor, name, routed(original))
+    return torchs
+
+
+def restore_hook_registration(torchs: dict) -> None:
+    """Put torch's methods back where csrun's still stand."""
+    for name, original in torchs.items():
+        if getattr(getattr(torch.Tensor, name), "__wrapped__", None) is original:
+            setattr(torch.Tensor, name, original)
 
 
 def current_backward_id() -> int:

@@ -205,6 +205,38 @@ def test_has_post_accumulate_grad_hook():
         assert not ti.has_post_accumulate_grad_hook(leaf, hook)
 
 
+def test_grad_hooks_lists_a_tensors_hooks_in_order():
+    with relied_on("grad_hooks"):
+        p = nn.Parameter(torch.ones(2))
+        assert ti.grad_hooks(p) == ([], [])
+        first, second, post = (lambda g: g * 2), (lambda g: g + 1), (lambda t: None)
+        handle = p.register_hook(first)
+        p.register_hook(second)
+        p.register_post_accumulate_grad_hook(post)
+        assert ti.grad_hooks(p) == ([first, second], [post])
+        handle.remove()
+        assert ti.grad_hooks(p) == ([second], [post])
+        (p * 1).sum().backward()  # what torch runs on the gradient: the listed hooks
+        assert p.grad.tolist() == [2.0, 2.0]
+
+
+def test_route_hook_registration_notes_every_registration():
+    noted = []
+    with relied_on("route_hook_registration / restore_hook_registration"):
+        torchs = ti.route_hook_registration(noted.append)
+        try:
+            p = nn.Parameter(torch.ones(2))
+            handle = p.register_hook(lambda g: g * 3)
+            p.register_post_accumulate_grad_hook(lambda t: None)
+            assert noted == [p, p]
+            (p * 1).sum().backward()
+            assert p.grad.tolist() == [3.0, 3.0]  # torch's registration still happened
+            handle.remove()
+        finally:
+            ti.restore_hook_registration(torchs)
+        assert {n: getattr(torch.Tensor, n) for n in torchs} == torchs
+
+
 def test_current_backward_id_and_queue_backward_callback():
     with relied_on("current_backward_id / queue_backward_callback"):
         assert ti.current_backward_id() == -1
@@ -658,7 +690,7 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
                                 "[1, 1, 1] [[-1.0, -1.0]]", "[1, 1, 1]", "[0, 0, 0]"]
 
 
-def test_rng_state_functions_are_csruns_while_replica_streams_live():
+def test_rng_state_functions_and_hook_methods_are_csruns_while_strategies_live():
     # in a fresh process: here other tests' strategies may still be alive
     out = _run_python("""
         import gc
@@ -670,6 +702,9 @@ def test_rng_state_functions_are_csruns_while_replica_streams_live():
             return (torch.get_rng_state is replica_random.get_rng_state,
                     torch.random.set_rng_state is replica_random.set_rng_state)
 
+        hook_methods = (torch.Tensor.register_hook,
+                        torch.Tensor.register_post_accumulate_grad_hook)
+
         print(ours())
         one = cs.CentralStorageStrategy(["CPU:0"], "CPU:0")  # one replica: no streams
         print(ours())
@@ -679,12 +714,15 @@ def test_rng_state_functions_are_csruns_while_replica_streams_live():
         del first
         gc.collect()
         print(ours())
-        del second
+        print((torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
+              == hook_methods)
+        del second, one
         gc.collect()
-        print(ours())
+        print(ours(), (torch.Tensor.register_hook,
+                       torch.Tensor.register_post_accumulate_grad_hook) == hook_methods)
     """)
     assert out.splitlines() == ["(False, False)", "(False, False)", "(True, True)",
-                                "(True, True)", "(False, False)"]
+                                "(True, True)", "False", "(False, False) True"]
 
 
 def _strategy(n=2):
