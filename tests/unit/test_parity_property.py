@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import csrun.core as cs
@@ -54,7 +54,10 @@ class Net(nn.Module):
         for out, norm, activation in layers:
             blocks.append(nn.Linear(width, out))
             if _NORMS[norm] is not None:
-                blocks.append(_NORMS[norm](out))
+                # eps 1e-2: a variance near 0 (2 examples, or inputs a ReLU zeroed) would
+                # otherwise turn float32 noise, summed in another order by the synchronized
+                # BatchNorm, into differences up to 1e-4 (it is no less exact there)
+                blocks.append(_NORMS[norm](out, eps=1e-2))
             blocks.append(_ACTIVATIONS[activation]())
             width = out
         if counted:
@@ -95,14 +98,10 @@ def _train(recipe, batch, strategy=None):
     return model.state_dict(), grads
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(recipe=networks(), batch=st.integers(2, 13), replicas=st.sampled_from([2, 3]),
        copy=st.booleans(), execution=st.sampled_from(["auto", "ordered", "concurrent"]))
 def test_replicas_equal_one_device(recipe, batch, replicas, copy, execution):
-    # BatchNorm over 2 or 3 examples normalizes by a variance that may be tiny: float32
-    # noise, summed in another order by the synchronized layer, then dominates
-    assume(batch >= 4 or all(norm != "batch" for _, norm, _ in recipe[1]))
     strategy = cs.CentralStorageStrategy(
         [f"CPU:{i}" for i in range(replicas)], "CPU:0",
         options=cs.StrategyOptions(copy_parameters=copy, execution=execution))
