@@ -2,8 +2,9 @@
 
 GPU replicas (and, on request, logical CPU replicas) cannot alias the central storage, so
 each keeps a mirror: one flat buffer per dtype holding every tracked parameter, refreshed
-with a single coalesced copy when any parameter changed since the last step. The replica's
-leaves are views into that buffer; their gradients go back with one copy per dtype.
+with a single coalesced copy at each run's first read (a write through ``.data`` changes no
+version to tell it by); in a run's middle only what changed version. The replica's leaves
+are views into that buffer; their gradients go back with one copy per dtype.
 
 From a CPU parameter device to a GPU the refresh goes through a pinned staging buffer and a
 non-blocking copy on the replica's current stream.

@@ -15,7 +15,8 @@ that replica's *leaf* for the central parameter:
   (no copy; one per replica, so each replica's backward fills its own ``.grad``);
 * another device (a GPU replica, or any replica when ``copy_parameters=True``): a view
   into a flat buffer on the replica's device, refreshed with one coalesced copy per dtype
-  per step when the parameters changed.
+  at each run's first read (and after ``merge_call``): a write through ``.data`` changes
+  no version, so every run copies, as ``DataParallel`` does on every forward.
 
 An alias replica is served the parameters it read in the previous run before it starts
 (:meth:`ParameterStore._serve_again`): a first read inside a concurrent replica costs
