@@ -693,6 +693,7 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
                                 "[1, 1, 1] [[-1.0, -1.0]]", "[1, 1, 1]", "[0, 0, 0]"]
 
 
+@pytest.mark.process  # starts a fresh interpreter
 def test_rng_state_functions_and_hook_methods_are_csruns_while_strategies_live():
     # in a fresh process: here other tests' strategies may still be alive
     out = _run_python("""
