@@ -6,13 +6,18 @@ JSON result keeps them as they are, in valid JSON."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import types
 import uuid
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from csrun.cli.render import View
+from csrun.core.runner.launch import LaunchPlan, launch
 from tests.helpers.tiny_config import tiny_config
 
 # what each hostile character would do on a terminal, and how csrun shows it
@@ -130,3 +135,27 @@ def test_warnings_and_exceptions_of_user_code_are_escaped(cli, folder, monkeypat
     assert r"UserWarning: bad\x1b[2J\rwarning" in done.stderr
     assert r"ValueError: no\x1b]0;PWNED\x07 model\u202e" in done.stderr
     sys.modules.pop(module, None)
+
+
+class _StandInPlan(LaunchPlan):
+    """A launch whose tasks run ``scripts[task]`` (Python) instead of ``csrun train``."""
+
+    scripts: dict
+
+    def command(self, task):
+        return [sys.executable, "-c", self.scripts.get(task, "")]
+
+
+@pytest.mark.process  # the job's tasks are processes
+@pytest.mark.timeout(60)
+def test_the_last_lines_of_a_failed_task_are_escaped(tmp_path):
+    plan = _StandInPlan("c.yaml", [], {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+                        "worker:0", False, tmp_path / "logs",
+                        types.SimpleNamespace(strategy=types.SimpleNamespace(timeout_s=5)))
+    plan.scripts = {"worker:0": "import sys; print('gone\\x1b]0;PWNED\\x07\\r', "
+                                "file=sys.stderr); sys.exit(1)"}
+    view = View()
+    view.out = view.err = Console(file=io.StringIO(), width=200)
+    view.launch_summary(launch(plan))
+    shown = view.err.file.getvalue()
+    assert r"gone\x1b]0;PWNED\x07" in shown and _raw(shown) == []

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
+import types
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from csrun.cli.main import app
+from csrun.core.runner.launch import LaunchPlan, launch
 from tests.helpers.tiny_config import tiny_config
 
 
@@ -49,3 +52,25 @@ def test_checkpoints_exports_and_results_follow_the_umask(mask, umask, tmp_path,
         {name: 0o666 & ~mask for name in files}
     assert {name: mode for name, mode in modes.items() if name not in files} == \
         {name: 0o777 & ~mask for name in modes if name not in files}
+
+
+class _StandInPlan(LaunchPlan):
+    """A launch whose tasks run a line of Python instead of ``csrun train``."""
+
+    def command(self, task):
+        return [sys.executable, "-c", "print('ok')"]
+
+
+@pytest.mark.process  # the job's tasks are processes
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mask", [0o022, 0o077], ids=lambda m: f"umask {m:03o}")
+def test_launch_logs_follow_the_umask(mask, umask, tmp_path):
+    umask(mask)
+    plan = _StandInPlan("c.yaml", [], {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+                        "worker:0", False, tmp_path / "logs",
+                        types.SimpleNamespace(strategy=types.SimpleNamespace(timeout_s=5)))
+    assert launch(plan).status == "completed"
+    modes = _modes(tmp_path, skip=set())
+    assert modes.pop("logs") == 0o777 & ~mask
+    assert "worker-0.stdout.log" in " ".join(modes)
+    assert set(modes.values()) == {0o666 & ~mask}, modes
