@@ -154,3 +154,44 @@ def test_an_exit_at_the_import_of_any_target_names_its_key(key, cli, tmp_path, m
     problems = json.loads(Path("out.json").read_text())["problems"]
     assert [(p["path"], p["message"]) for p in problems] == [
         (key, f"importing module '{module}' exited: sys.exit(5) (at {module}.py:2)")]
+
+
+OPTIMIZER = '''\
+import sys
+import torch
+
+
+class Opt(torch.optim.SGD):
+    def __init__(self, params, lr):
+        {body}
+'''
+
+
+@pytest.mark.parametrize("body, says", [
+    ("sys.exit(7)", "exited: sys.exit(7) (at {m}.py:7)"),
+    ("raise RuntimeError('no such device')", "failed: RuntimeError: no such device "
+                                             "(at {m}.py:7)")])
+def test_a_failing_optimizer_class_is_a_config_problem(body, says, cli, tmp_path,
+                                                       monkeypatch):
+    """optimizer.target's constructor: anything but TypeError, ValueError and KeyError
+    ended in the unexpected-error path (exit 1, not naming optimizer.target)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = f"user_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(OPTIMIZER.format(body=body))
+    (tmp_path / "user.yaml").write_text(tiny_config(f"optimizer={{target: '{module}:Opt', "
+                                                    "lr: 0.1}"))
+    done = cli("validate", "user.yaml", "--json", "out.json")
+    assert done.exit_code == 2, done.stderr
+    problems = json.loads(Path("out.json").read_text())["problems"]
+    assert [(p["path"], p["message"]) for p in problems] == [
+        ("optimizer.target", f"{module}:Opt(params, lr, **kwargs) " + says.format(m=module))]
+
+
+def test_torch_optimizer_options_that_clash_are_a_config_problem(cli, tmp_path):
+    """Adam's RuntimeError for fused and foreach together (exit 1 as an unexpected error)."""
+    (tmp_path / "c.yaml").write_text(tiny_config())
+    done = cli("validate", tmp_path / "c.yaml", "optimizer.kwargs={fused: true, foreach: true}")
+    assert done.exit_code == 2
+    assert "optimizer.kwargs: Adam(params, lr, **kwargs) failed: RuntimeError: `fused` and " \
+        "`foreach` cannot be `True` together." in done.stderr
