@@ -159,3 +159,32 @@ def test_the_last_lines_of_a_failed_task_are_escaped(tmp_path):
     view.launch_summary(launch(plan))
     shown = view.err.file.getvalue()
     assert r"gone\x1b]0;PWNED\x07" in shown and _raw(shown) == []
+
+
+FAILS_IN_TRAINING = '''\
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if x.device.type != "meta":  # in training, not in the config check
+            raise ValueError("lost\\x1b[2J\\rin training\\u202e")
+        return self.layer(x)
+'''
+
+
+def test_a_failure_of_user_code_in_training_is_escaped(cli, folder, monkeypatch):
+    monkeypatch.syspath_prepend(str(folder))
+    module = f"user_{uuid.uuid4().hex[:8]}"
+    Path(f"{module}.py").write_text(FAILS_IN_TRAINING)
+    Path("c.yaml").write_text(tiny_config(f"model={{kind: import, target: '{module}:Model'}}",
+                                          "train.steps=2"))
+    done = cli("train", "c.yaml", "--json", "-")
+    assert done.exit_code == 1
+    assert _raw(done.stderr) == []
+    assert r"ValueError: lost\x1b[2J\rin training\u202e" in done.stderr
+    assert "lost\x1b[2J\rin training\u202e" in json.loads(done.stdout)["error"]
