@@ -101,9 +101,10 @@ def test_paths_in_a_run_are_escaped(cli, folder):
     Path("c.yaml").write_text(tiny_config("train={steps: 2, log_every: 1}") +
                               "checkpoint: {dir: \"c\\x1b]0;T\\x07k\\u202e\", every_steps: 1, "
                               "export: safetensors}\n")
-    done = cli("train", "c.yaml", "--json", "out.json")
+    done = cli("train", "c.yaml", "--json", "out.json", "--metrics", "m\x1b[2J.jsonl")
     assert done.exit_code == 0, done.stderr
     assert _raw(done.stdout + done.stderr) == []
+    assert r"metrics        m\x1b[2J.jsonl" in done.stdout
     assert r"checkpoint: step 2 -> c\x1b]0;T\x07k\u202e/ckpt-00000002.pt" in done.stdout
     assert r"exported the final weights to c\x1b]0;T\x07k\u202e/model.safetensors" in \
         done.stdout
