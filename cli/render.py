@@ -547,7 +547,10 @@ def _count(n: int | float, noun: str) -> str:
 
 def _problem_count(problems: Sequence[Any]) -> str:
     """``2 problems in the config``, ``1 problem with the command line`` (an option's,
-    such as ``--plot``), or both counted."""
+    such as ``--plot``), or both counted; ``... in the environment`` when every one is an
+    environment variable's alone (``CSRUN_LOGICAL_CPUS``)."""
+    if all(not p.path and (p.origin or "").startswith("environment ") for p in problems):
+        return f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in the environment"
     options = sum(p.path.startswith("--") for p in problems)
     config = len(problems) - options
     if not options:
