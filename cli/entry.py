@@ -67,8 +67,10 @@ def fitted(text: str) -> str:
     (:mod:`csrun.cli.lines` needs rich, which may not be loaded yet)."""
     if not sys.stderr.isatty():
         return text
-    return textwrap.fill(text, shutil.get_terminal_size().columns, subsequent_indent="  ",
-                         break_long_words=False, break_on_hyphens=False)
+    # a terminal that says it has 0 columns (a pty never sized) has the minimum of render's
+    width = max(20, shutil.get_terminal_size().columns)
+    return textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def _json_path(args: list[str]) -> str | None:
