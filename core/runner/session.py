@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config.schema import RunConfig
-from ..data.pipeline import Pipeline
+from ..data.pipeline import Pipeline, is_worker_death, worker_died
 from ..data.sources import load_source, split_holdout
 from . import replica_step
 from .batches import PassBatches
@@ -87,6 +87,10 @@ def run_session(session: "Session", resume: bool, stop: threading.Event) -> RunR
             session.restore()
         session.fit(stop)
         return session.finish("interrupted" if stop.is_set() else "completed")
+    except RuntimeError as exc:  # torch's SIGCHLD handler raises it anywhere
+        if is_worker_death(exc):
+            raise worker_died(exc, session.pipeline.loaded()) from None
+        raise
     finally:
         session.close()
 
