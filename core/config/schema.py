@@ -466,6 +466,8 @@ class ParamGroupConfig(BaseModel):
     wins; unmatched parameters form a default group with the optimizer's own options."""
 
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+    # the options are plain data, numbers finite, as every kwargs (`lr: .nan` passed)
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # type: ignore[assignment]
 
     match: Annotated[str, AfterValidator(_regex)] = Field(
         description="A regular expression searched in each parameter name "

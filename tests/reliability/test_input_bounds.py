@@ -125,3 +125,16 @@ def test_a_huge_optimizer_name_is_refused_naming_it(validate, valid_file):
     outcome = validate(valid_file, "optimizer.name=" + "Adma" * 475_000)
     assert outcome.exit_code == 2
     assert [p["path"] for p in outcome.problems] == ["optimizer.name"]
+
+
+# -- an override's key --------------------------------------------------------------------
+@pytest.mark.parametrize("section", ["dataset.source.kwargs", "train", "nowhere"])
+def test_an_override_key_deeper_than_a_config_nests_is_the_overrides(
+        validate, valid_file, section):
+    key = f"{section}.{'.'.join(['a'] * 5000)}"
+    outcome = validate(valid_file, f"{key}=1")
+    assert outcome.exit_code == 2
+    [problem] = outcome.problems
+    assert problem["origin"].startswith(f"override '{section}.a.a") and not problem["line"]
+    assert problem["message"] == f"the key is {key.count('.') + 1} levels deep; a config " \
+        "nests at most 64", problem
