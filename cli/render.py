@@ -265,9 +265,10 @@ class View:
         with a line of source)."""
         say(self.err, f"[yellow]warning:[/] {escape(message)} ({escape(where)})")
 
-    def aborted(self) -> None:
+    def aborted(self, signal: str = "SIGINT") -> None:
         self.close()
-        say(self.err, "[yellow]aborted[/] (second Ctrl-C): nothing saved from this step")
+        second = "Ctrl-C" if signal == "SIGINT" else escape(signal)
+        say(self.err, f"[yellow]aborted[/] (second {second}): nothing saved from this step")
 
     # -- a training run ----------------------------------------------------------------------
     def on_event(self, event: Any) -> None:
