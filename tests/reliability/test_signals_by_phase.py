@@ -5,6 +5,11 @@ the outcome it has:
   the last step is saved already), exit 143 (it used to go on, and exit 0);
 * a second SIGTERM aborts with 143 and says "second SIGTERM" (it said "second Ctrl-C",
   exit 130);
+* once the outcome is decided, a user's thread that is no daemon does not keep the
+  process alive, and a signal during the exit does not change the outcome (SIGTERM
+  reported "no training step ran");
+* a standard output whose reader stopped reading does not keep a SIGTERM from being
+  heard (the run blocked in a write, and waited there).
 
 Moments a timer cannot hit are made deterministic by a user model that writes a marker
 file and then waits.
@@ -137,3 +142,60 @@ def test_a_second_sigterm_aborts_with_143(tmp_path):
     result = json.loads((tmp_path / "out.json").read_text())
     assert (result["status"], result["signal"], result["exit_code"]) == \
         ("aborted", "SIGTERM", 143)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(180)
+def test_a_users_thread_does_not_keep_a_finished_run_alive(tmp_path):
+    (tmp_path / "c.yaml").write_text("""\
+strategy: {compute_devices: [CPU:0, CPU:1]}
+dataset:
+  source: {kind: import, target: "tests.helpers.faulty_data:Blobs", kwargs: {thread: true}}
+  steps: [{op: batch, size: 8}]
+model: {kind: import, target: "tests.helpers.faulty_data:Net", loss: cross_entropy}
+train: {steps: 3}
+""")
+    process = _spawn(tmp_path, "train", "c.yaml", "--json", "out.json")
+    try:
+        out, err = process.communicate(timeout=120)  # it waited for the thread forever
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    assert json.loads((tmp_path / "out.json").read_text())["status"] == "completed"
+    assert "exiting without waiting for 2 thread(s) still running in your code " \
+           "(user-prefetcher, user-prefetcher)" in " ".join(err.split())
+
+
+@pytest.mark.process
+@pytest.mark.timeout(240)
+def test_sigterm_is_heard_while_stdout_is_a_full_pipe(tmp_path):
+    (tmp_path / "c.yaml").write_text(tiny_config(
+        "train={steps: 1000000, log_every: 1}", "checkpoint={dir: ck, every_steps: 100000}"))
+    read, write = os.pipe()  # nobody reads: it fills after some 300 steps' logs
+    try:
+        process = _spawn(tmp_path, "train", "c.yaml", "--json", "out.json", stdout=write)
+        os.close(write)
+        deadline = time.monotonic() + 120
+        while not _full(read) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _full(read), "the pipe did not fill"
+        time.sleep(1)  # blocked in a write by now
+        process.send_signal(signal.SIGTERM)
+        try:
+            err = process.communicate(timeout=60)[1]
+        finally:
+            process.kill()
+    finally:
+        os.close(read)
+    assert process.returncode == 143, err
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["status"] == "interrupted" and result["checkpoint"]["last"]
+    assert (tmp_path / "ck").is_dir()
+
+
+def _full(fd: int) -> bool:
+    import fcntl
+    import termios
+    waiting = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, waiting)
+    return int.from_bytes(waiting, sys.byteorder) >= 60_000  # of a 64 KiB pipe
