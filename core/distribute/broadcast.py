@@ -2,8 +2,9 @@
 
 GPU replicas (and, on request, logical CPU replicas) cannot alias the central storage, so
 each keeps a mirror: one flat buffer per dtype holding every tracked parameter, refreshed
-with a single coalesced copy when any parameter changed since the last step. The replica's
-leaves are views into that buffer; their gradients go back with one copy per dtype.
+with a single coalesced copy at each run's first read (a write through ``.data`` changes no
+version to tell it by); in a run's middle only what changed version. The replica's leaves
+are views into that buffer; their gradients go back with one copy per dtype.
 
 From a CPU parameter device to a GPU the refresh goes through a pinned staging buffer and a
 non-blocking copy on the replica's current stream.
@@ -34,6 +35,7 @@ class _Group:
         if device.type == "cuda" and param_device.type == "cpu":
             self.staging = torch.empty(total, dtype=dtype, pin_memory=True)
         self.leaves = []
+        self.version = None  # the flat buffer's version after the last copy into it
         offset = 0
         for tensor, numel in zip(tensors, self.numels):
             view = self.flat[offset:offset + numel].view(tensor.shape)
@@ -41,9 +43,9 @@ class _Group:
             offset += numel
         self.stamp = None
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool) -> None:
         stamp = [(_tensor_version(t), t.data_ptr(), t.requires_grad) for t in self.tensors]
-        if stamp == self.stamp:
+        if stamp == self.stamp and not force:
             return
         for tensor, leaf in zip(self.tensors, self.leaves):  # frozen or unfrozen since
             if leaf.requires_grad != tensor.requires_grad:
@@ -62,6 +64,15 @@ class _Group:
             else:
                 self.flat.copy_(torch.cat(flat))
         self.stamp = stamp
+        self.version = _tensor_version(self.flat)
+
+    def written(self) -> list:
+        """The central tensors whose copies a replica wrote in place since the last copy
+        (one version read when none was: the leaves share the flat buffer's counter)."""
+        if _tensor_version(self.flat) == self.version:
+            return []
+        return [t for t, leaf in zip(self.tensors, self.leaves)
+                if not torch.equal(leaf.detach().to(t.device), t.detach())]
 
 
 class DeviceMirror:
@@ -74,20 +85,35 @@ class DeviceMirror:
         self._leaf_of: dict = {}
         self._generation = -1
 
-    def refresh(self, store, reset_grads: bool = True) -> None:
-        """Bring every leaf up to date with the central tensors (copies only what changed).
+    def refresh(self, store, reset_grads: bool = True, force: bool = False) -> None:
+        """Bring every leaf up to date with the central tensors.
 
         ``reset_grads`` starts a new run; a refresh in the middle of a run (after a merge
-        updated parameters) keeps the gradients the leaves already hold.
+        updated parameters) keeps the gradients the leaves already hold. Without
+        ``force`` only the groups whose tensors changed version are copied: a write
+        through ``.data`` (``p.data.copy_(ema)``) changes none, so a run's first refresh,
+        and the one after user code ran in ``merge_call``, copy everything (as
+        ``DataParallel`` copies on every forward).
         """
         if store.generation != self._generation or self._layout_changed():
-            self._build(store.tensors())
+            if reset_grads or self._layout_changed():
+                self._build(store.tensors())
+            else:  # tensors registered during a run: the leaves served so far stay valid
+                self._extend(store.tensors())
             self._generation = store.generation
         for group in self._groups:
-            group.refresh()
+            group.refresh(force)
             if reset_grads:
                 for leaf in group.leaves:
                     leaf.grad = None
+
+    def prepare(self, store) -> None:
+        """Lay out the flat buffers and leaves for tensors registered since (a first
+        read inside ``torch.func.vmap`` cannot make a leaf there); the values come with
+        the run's first :meth:`refresh`."""
+        if store.generation != self._generation:
+            self._build(store.tensors())
+            self._generation = store.generation
 
     def _layout_changed(self) -> bool:
         """A central tensor changed dtype or size (e.g. ``model.double()``)."""
@@ -95,15 +121,25 @@ class DeviceMirror:
                    for group in self._groups for t, leaf in zip(group.tensors, group.leaves))
 
     def _build(self, tensors: list) -> None:
+        self._groups, self._leaf_of = [], {}
+        self._extend(tensors)
+
+    def _extend(self, tensors: list) -> None:
+        """Flat buffers for the tensors that have none yet (a module adopted in a run's
+        middle: rebuilding would orphan the leaves already served, and their gradients)."""
         by_dtype: dict = {}
         for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        self._groups = [_Group(ts, self.device, self.param_device)
-                        for ts in by_dtype.values()]
-        self._leaf_of = {}
-        for group in self._groups:
+            if tensor not in self._leaf_of:
+                by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        groups = [_Group(ts, self.device, self.param_device) for ts in by_dtype.values()]
+        for group in groups:
             for tensor, leaf in zip(group.tensors, group.leaves):
                 self._leaf_of[tensor] = leaf
+        self._groups += groups
+
+    def written(self) -> list:
+        """The central tensors whose copies were written in place since the last copy."""
+        return [t for group in self._groups for t in group.written()]
 
     def leaf(self, central: torch.Tensor) -> torch.Tensor:
         leaf = self._leaf_of.get(central)

@@ -28,6 +28,7 @@ __all__ = [
     "get_cross_replica_context",
     "ReplicaContext",
     "cross_replica_required",
+    "require_cross_replica_or_default",
     "Entry",
 ]
 
@@ -109,6 +110,22 @@ def cross_replica_required(method: str) -> None:
         )
 
 
+def require_cross_replica_or_default(strategy, method: str, hint: str | None = None) -> None:
+    """TF's check before a cross-replica method of ``strategy``: it runs in that strategy's
+    cross-replica context, or outside every strategy (the default one's); in another
+    strategy's scope or run it is "mixing" them, in a replica of its own a RuntimeError
+    that says how to get there (``hint``: another way)."""
+    entry = current_entry()
+    if entry.strategy is None or (entry.strategy is strategy and entry.replica is None):
+        return
+    if entry.strategy is not strategy:
+        raise RuntimeError(f"Mixing different strategies: {method} of {strategy!r} was called "
+                           f"in the scope (or run) of {entry.strategy!r}")
+    raise RuntimeError(f"{method} requires being in cross-replica context (it was called "
+                       "inside strategy.run); "
+                       + (hint or "use get_replica_context().merge_call() to get there"))
+
+
 class ReplicaContext:
     """What a function running under ``strategy.run`` knows and can do as one replica.
 
@@ -168,12 +185,16 @@ class ReplicaContext:
         op = ReduceOp.resolve(reduce_op)
         if self._run is None:
             return value
+        if current_entry().replica is not self:
+            self._run.refuse_outside(self._replica_id, "all_reduce")
         return self._run.collectives.all_reduce(self._local_id, op, value)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` (a nest of tensors) of every replica along ``axis``."""
         if self._run is None:
             return value
+        if current_entry().replica is not self:
+            self._run.refuse_outside(self._replica_id, "all_gather")
         return self._run.collectives.all_gather(self._local_id, value, axis)
 
     def merge_call(self, merge_fn: Callable, args: tuple = (), kwargs: dict | None = None):
@@ -182,9 +203,15 @@ class ReplicaContext:
         Every replica must call ``merge_call``; ``merge_fn`` receives each argument as a
         PerReplica (or the plain value when every replica passed the same object). What it
         returns goes back to every replica (a PerReplica: each replica its component).
+
+        Raises:
+          RuntimeError: called anywhere but on the replica's own thread, in its context
+            (another thread, merge_fn, after the run), as TF refuses it.
         """
         if self._run is None:
             return merge_fn(self.strategy, *args, **(kwargs or {}))
+        if current_entry().replica is not self:
+            self._run.refuse_outside(self._replica_id, "merge_call")
         return self._run.collectives.merge_call(self._local_id, merge_fn, args, kwargs or {})
 
     def __repr__(self) -> str:

@@ -61,10 +61,11 @@ class Collectives:
             torch.cuda.current_stream(device).synchronize()
 
     # -- helpers -------------------------------------------------------------------------
-    def _invalidate_copies(self) -> None:
-        """A merge may have updated central values: copies must refresh before next use."""
+    def _invalidate_copies(self, by_user: bool = True) -> None:
+        """A merge may have updated central values: copies must refresh before next use
+        (all of them after user code, see ReplicaServing.invalidate)."""
         for serving in self._run.servings:
-            serving.invalidate()
+            serving.invalidate(by_user)
 
     def _spread(self, result: torch.Tensor) -> list:
         """One copy of ``result`` per replica, each on its replica's device."""
@@ -160,7 +161,7 @@ class Collectives:
             self._settle()
             results = merge(payloads)
             self._settle()
-            self._invalidate_copies()
+            self._invalidate_copies(by_user=False)
             return results
         return self._run.sync(replica_id, kind, payload, settled)
 

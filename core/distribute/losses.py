@@ -27,7 +27,8 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
     Args:
       per_example_loss: losses of this replica's examples, shape ``[B, ...]`` (e.g.
         ``F.cross_entropy(out, y, reduction="none")``).
-      sample_weight: optional weights: a scalar, ``[B]``, or the losses' shape.
+      sample_weight: optional weights: a scalar, ``[B]`` (or ``[B, 1]``), or any shape
+        that broadcasts to the losses' (TF's alignment: on the batch dimension).
       global_batch_size: the number of examples of the global batch. Default: the real
         size of the current global batch, every replica's ``B`` summed, so a short last
         batch is scaled right (TF guesses ``B * num_replicas_in_sync``, which is wrong
@@ -39,8 +40,8 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
       empty global batch).
 
     Raises:
-      ValueError: a scalar ``per_example_loss`` (give one loss per example), or a global
-        batch size that is not a positive integer.
+      ValueError: a scalar ``per_example_loss`` (give one loss per example), weights
+        that do not fit the losses, or a global batch size that is not a positive integer.
       RuntimeError: called without ``global_batch_size`` in cross-replica context.
     """
     loss = as_tensor(per_example_loss)
@@ -60,10 +61,21 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
 
 
 def _broadcast_weight(weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    # TF aligns weights on the leading (batch) dimension: [B] weighs [B, T] row by row,
-    # where torch's broadcasting would align the trailing one
+    # TF's squeeze_or_expand_dimensions: a weight of one more dimension loses its last
+    # ([B, 1] weighs [B], not [B, B]); one of fewer gains trailing ones, aligning on the
+    # batch dimension ([B] weighs [B, T] row by row; csrun also for [B] and [B, T, U])
+    if weight.dim() == loss.dim() + 1 and weight.shape[-1] == 1:
+        weight = weight.squeeze(-1)
     while 0 < weight.dim() < loss.dim():
         weight = weight.unsqueeze(-1)
+    try:
+        fits = torch.broadcast_shapes(weight.shape, loss.shape) == loss.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"sample_weight of shape {tuple(weight.shape)} does not fit "
+                         f"per_example_loss of shape {tuple(loss.shape)}: give a scalar, "
+                         "one weight per example ([B] or [B, 1]), or the losses' shape")
     return weight
 
 

@@ -15,7 +15,8 @@ that replica's *leaf* for the central parameter:
   (no copy; one per replica, so each replica's backward fills its own ``.grad``);
 * another device (a GPU replica, or any replica when ``copy_parameters=True``): a view
   into a flat buffer on the replica's device, refreshed with one coalesced copy per dtype
-  per step when the parameters changed.
+  at each run's first read (and after ``merge_call``): a write through ``.data`` changes
+  no version, so every run copies, as ``DataParallel`` does on every forward.
 
 An alias replica is served the parameters it read in the previous run before it starts
 (:meth:`ParameterStore._serve_again`): a first read inside a concurrent replica costs
@@ -33,6 +34,16 @@ GIL once per parameter, and two replicas contending for it ran 15-20% slower. Al
 leaves hold the central tensors weakly: a model deleted by the user is freed, not kept by
 its replicas (device mirrors, for copies, still keep theirs: see
 :meth:`ParameterStore.forget`).
+
+**Modules built outside the scope** ("build, then wrap") are served the same way from
+their first call inside a replica on (:meth:`ParameterStore.adopt_in_use`): while a
+strategy lives every module call passes :func:`_module_call` first. One that cannot be
+served (on another device, or another strategy's) is refused there, naming it.
+
+**Hooks** on a central parameter (``register_hook``, ``register_post_accumulate_grad_hook``)
+run on the replicas' summed gradient of each flush, as torch runs them on a plain loop's:
+the store learns which tensors carry hooks when they are registered (nothing is asked per
+parameter per step).
 
 **Buffers** (BatchNorm statistics, user state) are copied per replica; after the run, the
 copies that a replica wrote are combined by the buffer's :class:`VariableAggregation`
@@ -57,7 +68,7 @@ from .values import flatten
 from .variables import VariableAggregation
 
 __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
-           "get_aggregation", "serve_while"]
+           "get_aggregation", "serve_while", "note_compiler"]
 
 _KINDS = ("parameter", "buffer")
 
@@ -90,7 +101,7 @@ class ServedDict(dict):
             return value
         if torch.compiler.is_compiling():
             return _compiled_read(serving, self, name, value)
-        if self.kind == "parameter" and not serving._stale:
+        if self.kind == "parameter" and not serving.slow:
             served = serving.served(id(value))
             if served is not None:
                 return served[1]
@@ -260,6 +271,11 @@ class ParameterStore:
         self._last_read: list = [() for _ in self.compute_devices]
         # the modules whose dicts this store swapped (weakly: a deleted model is freed)
         self._adopted: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        # ids of the tracked tensors that carry gradient hooks (see note_hooks)
+        self._hooked: set[int] = set()
+        # ids of the tensors registered since the last run began: served before the next
+        # (a first read inside torch.func.vmap cannot make a leaf there)
+        self._fresh: list[int] = []
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -278,6 +294,49 @@ class ParameterStore:
         for value in dict.values(tensor_dict(module, "parameter")):
             if value is not None:
                 self.register_tensor(value)
+
+    def adopt_in_use(self, module: torch.nn.Module) -> None:
+        """``module`` was called inside one of this store's replicas, but it (or a module
+        in it) was built outside the strategy's scope: serve it from now on exactly as if
+        it had been built there (parameters central, buffers per replica, BatchNorm
+        synchronized). Its tensors stay the same objects (an optimizer made before keeps
+        working). Every replica's first call of it comes here before the module runs, so
+        none reads it unserved; the lock lets one adopt and the others find it done.
+
+        Raises:
+          RuntimeError: naming the module, when it lives on another device than the
+            parameter device, belongs to another strategy, or its dicts are not torch's.
+        """
+        with self._lock:
+            compiled = torch_internals.compiled_module_type()
+            if compiled is not None and isinstance(module, compiled):
+                module = torch_internals.compiled_original(module)
+            top = type(module).__name__
+            for path, sub in module.named_modules():
+                name = f"{top}.{path} ({type(sub).__name__})" if path else \
+                    f"{top}({module.extra_repr()})"
+                self._adopt_built_outside(sub, name)
+
+    def _adopt_built_outside(self, module: torch.nn.Module, what: str) -> None:
+        dicts = torch_internals.tensor_dicts(module)
+        if not any(dicts) or all(isinstance(d, ServedDict) and d.store is self for d in dicts):
+            return
+        if any(isinstance(d, ServedDict) for d in dicts):
+            raise RuntimeError(
+                f"{what} was built in another strategy's scope; a module is served by one "
+                "strategy: build it (or a copy) in this strategy's scope")
+        if any(d is not None and type(d) is not type(plain_tensor_dict(())) for d in dicts):
+            raise RuntimeError(f"{what} was built outside strategy.scope() and holds its "
+                               "tensors in a dict csrun cannot serve; build it inside the scope")
+        for tensor in [t for d in dicts for t in dict.values(d) if t is not None]:
+            if tensor.device != self._torch_param:
+                raise RuntimeError(
+                    f"{what} was built outside strategy.scope() and lives on "
+                    f"{tensor.device}, but the strategy keeps parameters on "
+                    f"{self.parameter_device.short_name}; build (or load) it inside "
+                    "`with strategy.scope():`, which places it there")
+        self.adopt(module)
+        sync_batch_norm.install(module)
 
     def release_modules(self) -> None:
         """Give the modules this store adopted their plain dicts and their class's
@@ -302,6 +361,15 @@ class ParameterStore:
                 self._generation += 1
                 self._order[id(tensor)] = self._generation
                 self._follow(tensor)
+                self._fresh.append(id(tensor))
+                if any(torch_internals.grad_hooks(tensor)):
+                    self._hooked.add(id(tensor))
+
+    def note_hooks(self, tensor: torch.Tensor) -> None:
+        """A hook was registered on ``tensor``: if tracked, its gradients from replicas
+        are summed first and then run through its hooks (:meth:`flush_pending`)."""
+        if self.owns(tensor):
+            self._hooked.add(id(tensor))
 
     def _follow(self, tensor: torch.Tensor) -> None:
         """Call :meth:`forget` when ``tensor`` is freed (once per tensor)."""
@@ -317,6 +385,24 @@ class ParameterStore:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return self._tensors.get(id(tensor)) is tensor
+
+    def name_of(self, tensor: torch.Tensor) -> str:
+        """``Module.name`` of a tracked tensor, for messages (a scan: error paths only)."""
+        for module in list(self._adopted):
+            for name, value in dict.items(tensor_dict(module, "parameter") or {}):
+                if value is tensor:
+                    return f"{type(module).__name__}.{name}"
+        return f"a tensor of shape {tuple(tensor.shape)}"
+
+    def holds_buffer(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a buffer of a module this store serves (a scan: for
+        cross-replica checks, not hot paths)."""
+        for module in list(self._adopted):
+            buffers = tensor_dict(module, "buffer")
+            if isinstance(buffers, ServedDict) and buffers.store is self and any(
+                    b is tensor for b in dict.values(buffers)):
+                return True
+        return False
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before any ``optimizer.step()``: collect gradients still on replicas."""
@@ -361,11 +447,18 @@ class ParameterStore:
         against ~2 µs here. The leaves are the ones a read would give (the alias cache
         checks each against its central tensor); they count as read, and are recorded
         for the next run, only once read (:meth:`ReplicaServing.served`), and a merge
-        drops the unread ones. A parameter read for the first time, or one that moved
-        device (an error the read reports), is still served on read."""
+        drops the unread ones. Tensors registered since the last run are served too
+        (their leaves are made here, not at a first read inside ``torch.func.vmap``, which
+        refuses ``requires_grad_``). One that moved device (an error the read reports) is
+        still served on read."""
         place = self._torch_param
+        fresh, self._fresh = self._fresh, []
         for serving in servings:
-            if serving.copies or serving.direct:
+            if serving.direct:
+                continue
+            if serving.copies:  # the flat copies laid out before any read (see _fresh)
+                if fresh:
+                    self.mirror(serving.replica_id).prepare(self)
                 continue
             ready, aliases = serving.ready, self._aliases[serving.replica_id]
             for key in self._last_read[serving.replica_id]:
@@ -373,18 +466,28 @@ class ParameterStore:
                 central = entry[0]() if entry is not None else None
                 if central is not None and central.device == place:
                     ready[key] = (central, serving.alias_leaf(central))
+            for key in fresh:  # never read yet: made now, outside any transform
+                central = self._tensors.get(key)
+                if central is not None and central.device == place and key not in ready:
+                    ready[key] = (central, serving.alias_leaf(central))
 
     def _serve_compiled(self, servings: list["ReplicaServing"]) -> None:
         """Serve every tracked tensor now, as a read would (mirrors refreshed, leaves
         remade where the central tensor changed): compiled code reads them from
         :attr:`compiled_leaves` without running :meth:`ReplicaServing.serve`."""
         tensors = self.tensors()
+        self._fresh = []  # every tensor is served here
         for serving, leaves in zip(servings, self.compiled_leaves):
             for central in tensors:
                 leaves[id(central)] = serving._leaf(central)
 
     def finish_run(self, servings: list["ReplicaServing"]) -> None:
         """Sum the replicas' gradients into the central ones; combine written buffers."""
+        for serving in servings:
+            if serving.overrides:
+                serving.check_no_override()
+            if serving.copies:
+                serving.check_copies_unwritten()
         self._last_read = [tuple(s.params) for s in servings]
         for serving in servings:
             if serving.buffers:
@@ -436,9 +539,15 @@ class ParameterStore:
             if not any(started):  # nothing new since the last flush: the usual re-check
                 return
             with torch.no_grad():
+                held = {} if self._hooked else None  # hooked tensors: summed, then hooked
                 for replica_id, transfers in enumerate(started):
                     if transfers:
-                        accumulate(*self._finish_leaf_grads(replica_id, transfers))
+                        centrals, grads = self._finish_leaf_grads(replica_id, transfers)
+                        if held is not None:
+                            centrals, grads = _hold(centrals, grads, self._hooked, held)
+                        accumulate(centrals, grads)
+                if held:
+                    _accumulate_hooked(held.values())
 
     def flush_after_backward(self) -> None:
         """A leaf got a gradient outside a run: flush when the current backward ends
@@ -536,6 +645,7 @@ class ParameterStore:
         freed would orphan leaves that a run or a late backward still uses (found in
         review), so a model served through copies lives as long as its strategy."""
         self._followed.discard(key)
+        self._hooked.discard(key)
         for cache in self._aliases:
             cache.pop(key, None)
         for leaves in self.compiled_leaves:
@@ -556,7 +666,7 @@ class ReplicaServing:
     """What one replica of one run has been served, and what it wrote."""
 
     __slots__ = ("store", "replica_id", "device", "copies", "direct", "params", "ready",
-                 "buffers", "_mirror", "_stale")
+                 "buffers", "overrides", "slow", "_mirror", "_stale", "_force")
 
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
@@ -572,10 +682,19 @@ class ReplicaServing:
         # (id of owner dict, name) -> [copy, version at serve, assigned, owner dict]
         self.buffers: dict = {}
         self._mirror = None
+        # (id of owner dict, name) -> (tensor, owner dict) put in a parameter's place for a
+        # while (torch.func.functional_call swaps them in and back); this replica's only
+        self.overrides: dict = {}
+        self.slow = False  # reads must take serve(): stale copies or overrides
         self._stale = False  # a merge may have changed central values since they were copied
+        self._force = False  # ... user code (merge_call) did, maybe through .data: copy all
 
     def serve(self, owner: ServedDict, name: str, value: torch.Tensor) -> torch.Tensor:
         if owner.kind == "parameter":
+            if self.overrides:
+                override = self.overrides.get((id(owner), name))
+                if override is not None:
+                    return override[0]
             if self.direct:  # nothing to track: only the device can be wrong
                 if value.device != self.device:
                     self.store.check_device(value, owner, name)
@@ -608,24 +727,41 @@ class ReplicaServing:
             self._refresh_copies()
         return served[1]
 
-    def invalidate(self) -> None:
+    def invalidate(self, by_user: bool = True) -> None:
         """Central values may have changed in cross-replica context (a merge_call):
         parameters not read yet are served on read again, checked against their central
-        tensors as they are now (new data, frozen), as a run's first read is."""
+        tensors as they are now (new data, frozen), as a run's first read is. Copies are
+        refreshed before their next read: all of them after user code (``by_user``),
+        else those whose tensors changed version (csrun's own variable updates)."""
         self.ready.clear()
         if self.copies and self._mirror is not None:
-            self._stale = True
+            self._stale = self.slow = True
+            self._force = self._force or by_user
 
     def _refresh_copies(self) -> None:
-        self._stale = False
+        self._stale, force, self._force = False, self._force, False
+        self.slow = bool(self.overrides)
         with torch.no_grad():
-            self._mirror.refresh(self.store, reset_grads=False)
+            self._mirror.refresh(self.store, reset_grads=False, force=force)
+
+    def check_copies_unwritten(self) -> None:
+        """A copy replica wrote a parameter in place (the write would be lost: the central
+        tensor is another): say which, and where to do it instead."""
+        written = self._mirror.written() if self._mirror is not None else []
+        if written:
+            names = ", ".join(self.store.name_of(t) for t in written)
+            raise RuntimeError(
+                f"replica {self.replica_id} wrote parameter(s) {names} in place; it computes "
+                "on a copy, so the write would not reach the parameter (one on the "
+                "parameter's own device would write it once per replica). Update "
+                "parameters in cross-replica context (after run, or in merge_call), or "
+                "keep such state in a buffer (combined by csrun.core.set_aggregation)")
 
     def _leaf(self, central: torch.Tensor) -> torch.Tensor:
         if self.copies:
-            if self._mirror is None:
+            if self._mirror is None:  # the run's first read: everything is copied
                 self._mirror = self.store.mirror(self.replica_id)
-                self._mirror.refresh(self.store)
+                self._mirror.refresh(self.store, force=True)
             elif self._stale:
                 self._refresh_copies()
             try:
@@ -660,10 +796,28 @@ class ReplicaServing:
             if not dict.__contains__(owner, name):  # a module created inside the replica
                 dict.__setitem__(owner, name, value)
                 return
-            raise RuntimeError(
-                f"cannot replace parameter {owner.path(name)} inside a replica: parameters "
-                "are updated once, in cross-replica context (optimizer.step() after run)")
+            # In this replica only, and only for a while (torch.func.functional_call swaps
+            # tensors in, then puts back what it read): one still there when the run ends
+            # is refused then (finish_run)
+            central = dict.__getitem__(owner, name)
+            served = self.params.get(id(central))
+            key = (id(owner), name)
+            if value is central or (served is not None and value is served[1]):
+                self.overrides.pop(key, None)
+            else:
+                self.overrides[key] = (value, owner)
+            self.slow = self._stale or bool(self.overrides)
+            return
         self.buffers[(id(owner), name)] = [value, None, True, owner]
+
+    def check_no_override(self) -> None:
+        """A parameter replaced in the replica and not put back: refused (the others
+        would never see it; parameters are updated once, in cross-replica context)."""
+        for (_, name), (_, owner) in self.overrides.items():
+            raise RuntimeError(
+                f"cannot replace parameter {owner.path(name)} inside a replica: parameters are "
+                "updated once, in cross-replica context (optimizer.step() after run); "
+                "torch.func.functional_call, which puts them back, is fine")
 
     def written_buffer(self, key) -> torch.Tensor | None:
         """This replica's copy of a buffer if the replica changed it, else None.
@@ -745,6 +899,75 @@ def accumulate(centrals: list, grads: list) -> None:
         torch_internals.foreach_add_(existing_p, existing_g)
 
 
+def _hold(centrals: list, grads: list, hooked: set, held: dict) -> tuple[list, list]:
+    """Set aside the gradients of hooked tensors (summed in replica order into ``held``);
+    the others are returned to be accumulated at once."""
+    rest_c, rest_g = [], []
+    for central, grad in zip(centrals, grads):
+        if id(central) in hooked:
+            before = held.get(id(central))
+            held[id(central)] = (central, grad if before is None else before[1] + grad)
+        else:
+            rest_c.append(central)
+            rest_g.append(grad)
+    return rest_c, rest_g
+
+
+def _accumulate_hooked(items) -> None:
+    """As torch's backward does for a leaf: its hooks on the gradient, the accumulation,
+    then its post-accumulate hooks (here on the sum of the replicas' gradients)."""
+    for central, grad in items:
+        pre, post = torch_internals.grad_hooks(central)
+        for hook in pre:
+            changed = hook(grad)
+            if changed is not None:
+                grad = changed
+        accumulate([central], [grad])
+        for hook in post:
+            hook(central)
+
+
+def _note_hooks(tensor: torch.Tensor) -> None:
+    """A hook was registered on ``tensor`` (see torch_internals.route_hook_registration)."""
+    if tensor.grad_fn is None:  # hooks on central tensors (leaves) only
+        for store in list(_live_stores):
+            store.note_hooks(tensor)
+
+
+# -- module calls while runs go ---------------------------------------------------------
+_torch_module_call = torch.nn.Module.__call__  # torch's own, which ours ends in
+
+
+def _module_call(module: torch.nn.Module, *args, **kwargs):
+    """``Module.__call__`` while a strategy lives: in a replica, a module whose own
+    tensors its strategy does not serve (built outside the scope) is adopted first;
+    elsewhere torch's runs at once (~0.4 µs a call more than torch's alone)."""
+    serving = context.current_serving()
+    if serving is not None:
+        store = serving.store
+        params, buffers = torch_internals.tensor_dicts(module)
+        if ((params and (type(params) is not ServedDict or params.store is not store))
+                or (buffers and (type(buffers) is not ServedDict or buffers.store is not store))
+                or type(module) is _compiled_type) and not torch.compiler.is_compiling():
+            store.adopt_in_use(module)
+    return _torch_module_call(module, *args, **kwargs)
+
+
+# torch.compile's module class once the compiler is in use (its submodules run inside
+# compiled code, so the wrapper itself is adopted with them), else a class nothing is
+_compiled_type: type = type("_NotCompiled", (), {})
+
+
+def note_compiler() -> None:
+    """Learn torch.compile's module class once the compiler is loaded (asked before each
+    run: a dict lookup until then)."""
+    global _compiled_type
+    if _compiled_type.__name__ == "_NotCompiled":
+        compiled = torch_internals.compiled_module_type()
+        if compiled is not None:
+            _compiled_type = compiled
+
+
 # -- placement hooks --------------------------------------------------------------------
 def _placing_store() -> ParameterStore | None:
     strategy = context.current_entry().strategy
@@ -776,8 +999,8 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer):
 
 class _GlobalHooks:
     """torch's process-wide hooks, held while any strategy lives: the registration hooks
-    that place what modules register in a scope, and the check before every
-    ``optimizer.step()``. torch calls them for every module and optimizer of the process,
+    that place what modules register in a scope, :func:`_module_call` in
+    ``Module.__call__``, and the check before every ``optimizer.step()``. torch calls them for every module and optimizer of the process,
     so they are installed with the first strategy and removed with the last."""
 
     def __init__(self):
@@ -786,6 +1009,11 @@ class _GlobalHooks:
         self._lock = threading.RLock()
         self._users = 0
         self._handles: list = []
+        self._hook_methods = None  # torch's Tensor.register_hook & co, while ours stand
+        # torch's Module.__call__, while ours stands. Held with the strategy, not swapped
+        # per run: writing a class attribute of Module invalidates the method caches of
+        # all its subclasses (~50 µs a swap and back, more than the rest of a run)
+        self._module_call = None
 
     def acquire(self) -> None:
         with self._lock:
@@ -794,6 +1022,8 @@ class _GlobalHooks:
                     nn_module.register_module_parameter_registration_hook(_on_parameter),
                     nn_module.register_module_buffer_registration_hook(_on_buffer),
                     optim_module.register_optimizer_step_pre_hook(_before_optimizer_step)]
+                self._hook_methods = torch_internals.route_hook_registration(_note_hooks)
+                self._module_call = torch_internals.route_module_calls(_module_call)
             self._users += 1
 
     def release(self) -> None:
@@ -803,6 +1033,8 @@ class _GlobalHooks:
                 handles, self._handles = self._handles, []
                 for handle in handles:
                     handle.remove()
+                torch_internals.restore_hook_registration(self._hook_methods)
+                torch_internals.restore_module_calls(self._module_call, _module_call)
 
 
 _hooks = _GlobalHooks()

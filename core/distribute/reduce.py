@@ -7,7 +7,8 @@ the arithmetic, with TF's rules:
 * ``axis=None`` combines replicas elementwise; shapes must match; MEAN divides by the
   number of replicas.
 * ``axis=k`` also sums along ``k`` inside each replica; MEAN divides by the true number of
-  elements along ``k`` over all replicas (so partial batches weigh right).
+  elements along ``k`` over all replicas (so partial batches weigh right). Only the size
+  along ``k`` may differ between replicas: TF adds the partial sums without broadcasting.
 * MEAN of integers gives float64, as TF does; SUM keeps the input's dtype on every axis
   (int32 stays int32, uint8 wraps as TF's does).
 * Booleans are refused, as TF refuses them: adding them would be a logical OR, so SUM and
@@ -151,6 +152,13 @@ def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
         return total
     dims = [_check_axis(t, axis, i) for i, t in enumerate(tensors)]
     partial = [_sum_along(t, d) for t, d in zip(tensors, dims)]
+    shape = partial[0].shape
+    if not all([p.shape == shape for p in partial[1:]]):  # TF's AddN: no broadcasting
+        listed = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
+        raise ValueError(
+            f"cannot reduce across replicas with axis={axis}: once summed along it, the "
+            f"replicas' values differ in shape ({listed}); only the size along axis "
+            f"{axis} may differ")
     total = _sum_in_order(partial)
     if op is ReduceOp.MEAN:
         count = sum(t.shape[d] for t, d in zip(tensors, dims))

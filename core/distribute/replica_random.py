@@ -12,12 +12,18 @@ replicas overlapped or not.
 Ops it cannot see (TorchScript, C++ extensions, Python functions that draw internally but
 are intercepted whole, such as ``F.gumbel_softmax``) still draw from the global generator;
 ``ExecutionPolicy`` watches for that and, in a diagnosing run, names the op.
+
+Inside a replica, ``torch.get_rng_state()`` / ``torch.set_rng_state()`` save and restore
+the replica's stream too (:func:`get_rng_state`), so gradient checkpointing
+(``torch.utils.checkpoint``) recomputes with the masks of the forward, as it does with the
+global generator in a plain loop; ``torch.random.fork_rng`` leaves the stream as it found it.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -27,7 +33,8 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from . import torch_internals
 from .torch_internals import OpOverload, op_takes_generator
 
-__all__ = ["ReplicaRandom", "RunSeed", "replica_seed", "global_state"]
+__all__ = ["ReplicaRandom", "RunSeed", "replica_seed", "global_state", "get_rng_state",
+           "set_rng_state"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,6 +81,114 @@ class RunSeed:
         return self.around[0] != snapshot or now != self.around[1]
 
 
+# -- torch's CPU RNG state functions, seen from a replica -------------------------------
+class _Entered(threading.local):
+    """The stream entered on this thread (None outside replicas with streams)."""
+
+    stream: "ReplicaRandom | None" = None
+
+
+_entered = _Entered()
+_torch_get_rng_state = torch.get_rng_state  # torch's own (ours stand there while streams live)
+_torch_set_rng_state = torch.set_rng_state
+
+
+def _in_force(stream: "ReplicaRandom") -> bool:
+    return any(mode is stream for mode in torch_internals.function_modes())
+
+
+class _SavedStream:
+    """A replica stream's state as ``torch.get_rng_state()`` saw it in the replica:
+    where the generator was, and whether the stream was in force (a backward runs without
+    torch function modes: a checkpoint's recomputation gets the stream back from the
+    forward's state, and loses it again with ``fork_rng``'s restore).
+
+    ``state`` None: the stream had not drawn in that run; it is filled when the stream
+    is seeded later in the run (a backward after the run may replay what follows)."""
+
+    __slots__ = ("stream", "state", "in_force")
+
+    def __init__(self, stream: "ReplicaRandom"):
+        self.stream = stream
+        self.state = stream.generator.get_state() if stream.seeded else None
+        if self.state is None:
+            stream.pending.append(self)
+        self.in_force = _in_force(stream)
+
+    def restore(self, global_state: torch.Tensor) -> None:
+        stream, entered = self.stream, _entered.stream
+        if entered is stream:  # in its replica: the stream goes back, the global stays
+            if self.state is None:
+                stream.seeded = False  # reseeded from the same run seed on its next draw
+            else:
+                stream.generator.set_state(self.state)
+                stream.seeded = True
+            self._force(stream)
+        elif entered is None and self.state is not None:
+            # Recomputed outside the replica (a backward through run's outputs): torch's
+            # own dropout draws there, and the replica's is op for op torch's, so the
+            # global generator set to the stream's state draws the forward's masks
+            # (checkpoint's fork_rng puts the global state back afterwards).
+            _torch_set_rng_state(self.state)
+        else:
+            _torch_set_rng_state(global_state)
+
+
+    def _force(self, stream: "ReplicaRandom") -> None:
+        modes = torch_internals.function_modes()
+        now = any(mode is stream for mode in modes)
+        if self.in_force and not now:  # the base class's: pushed, the replica stays entered
+            TorchFunctionMode.__enter__(stream)
+        elif now and not self.in_force and modes[-1] is stream:
+            TorchFunctionMode.__exit__(stream, None, None, None)
+
+
+def get_rng_state() -> torch.Tensor:
+    """``torch.get_rng_state`` while replica streams exist: inside a replica, the global
+    state carries the replica stream's too, which :func:`set_rng_state` restores."""
+    state = _torch_get_rng_state()
+    stream = _entered.stream
+    if stream is not None:
+        state.csrun_replica_stream = _SavedStream(stream)
+    return state
+
+
+def set_rng_state(new_state: torch.Tensor) -> None:
+    """``torch.set_rng_state`` while replica streams exist: a state saved inside a replica
+    restores that replica's stream (and leaves the global generator, which other replicas
+    share, alone)."""
+    saved = getattr(new_state, "csrun_replica_stream", None)
+    if saved is None:
+        return _torch_set_rng_state(new_state)
+    saved.restore(new_state)
+
+
+class _RngStateFunctions:
+    """Ours stand in torch's place while any :class:`ReplicaRandom` lives."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # reentrant: a collection may release on this thread
+        self._users = 0
+        self._replaced = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._replaced = torch_internals.replace_rng_state_functions(
+                    get_rng_state, set_rng_state)
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                torch_internals.restore_rng_state_functions(
+                    self._replaced, (get_rng_state, set_rng_state))
+
+
+_rng_state_functions = _RngStateFunctions()
+
+
 def replica_seed(seed: int, replica_id: int) -> int:
     """splitmix64 of (run seed, replica): unrelated streams for neighbouring ids."""
     z = (seed + 0x9E3779B97F4A7C15 * (replica_id + 1)) & _MASK64
@@ -110,7 +225,9 @@ def _on_cpu(args: tuple, kwargs: dict) -> bool:
 
 
 # -- dropout with a mask from the replica's generator (ATen's _dropout_impl, op for op) ---
-def _dropout(g: torch.Generator, input: torch.Tensor, p: float, train: bool,
+# ``g`` is a function that returns the generator: it is called only for a mask, so that
+# dropout at p=0 or in eval mode draws nothing (not even the run's seed), as in torch.
+def _dropout(g: Callable[[], torch.Generator], input: torch.Tensor, p: float, train: bool,
              feature: bool = False, alpha: bool = False, inplace: bool = False):
     if p < 0 or p > 1:
         raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
@@ -126,7 +243,7 @@ def _dropout(g: torch.Generator, input: torch.Tensor, p: float, train: bool,
         noise = torch.empty(shape, dtype=input.dtype, device=input.device)
     else:
         noise = torch.empty_like(input)
-    noise.bernoulli_(1 - p, generator=g)
+    noise.bernoulli_(1 - p, generator=g())
     if alpha:
         a_ = 1.7580993408473766
         a = 1.0 / ((a_ * a_ * p + 1) * (1 - p)) ** 0.5
@@ -171,7 +288,7 @@ def _rrelu(g, args, kwargs):
     bound.apply_defaults()
     x, lower, upper, training, inplace = bound.arguments.values()
     op = torch.rrelu_ if inplace else torch.rrelu
-    return op(x, lower, upper, training, generator=g)
+    return op(x, lower, upper, training, generator=g() if training else None)
 
 
 def _dropouts() -> dict:
@@ -223,15 +340,25 @@ class ReplicaRandom(TorchFunctionMode):
         self.seeded = False     # the generator is seeded lazily, on the run's first draw
         self.diagnose = False   # name the op that draws from the global generator
         self.culprit: str | None = None
+        self.pending: list = []  # states saved before this run's first draw (_SavedStream)
+        self._outer = None       # the stream entered on this thread before this one
+        _rng_state_functions.acquire()
+        weakref.finalize(self, _rng_state_functions.release).atexit = False
 
     def start(self, diagnose: bool = False) -> None:
         """Before each run (the run's :class:`RunSeed` is reset by its owner)."""
         self.seeded, self.diagnose, self.culprit = False, diagnose, None
+        if self.pending:
+            self.pending = []
 
     def _own(self) -> torch.Generator:
         if not self.seeded:
             self.generator.manual_seed(replica_seed(self.run_seed.get(), self.replica_id))
             self.seeded = True
+            if self.pending:  # a state saved before: it is this one (see _SavedStream)
+                for saved in self.pending:
+                    saved.state = self.generator.get_state()
+                self.pending = []
         return self.generator
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -246,7 +373,7 @@ class ReplicaRandom(TorchFunctionMode):
         if impl is not None:
             tensor = _first_tensor(args) if args else kwargs.get("input")
             if tensor is None or tensor.is_cpu:
-                return impl(self._own(), args, kwargs)
+                return impl(self._own, args, kwargs)
         elif ((func in _TAKES_GENERATOR or (isinstance(func, OpOverload)
                                             and _op_takes_generator(func)))
               and kwargs.get("generator") is None and _on_cpu(args, kwargs)):
@@ -267,6 +394,7 @@ class ReplicaRandom(TorchFunctionMode):
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)  # popped first: torch.equal must not come here
+        _entered.stream = self._outer
         if self.diagnose and self.culprit is None and not torch.equal(
                 torch.default_generator.get_state(), self._last):
             self.culprit = "an op outside torch's function overrides (TorchScript, C++)"
@@ -275,4 +403,5 @@ class ReplicaRandom(TorchFunctionMode):
     def __enter__(self):
         if self.diagnose:
             self._last = torch.default_generator.get_state()
+        self._outer, _entered.stream = _entered.stream, self
         return super().__enter__()

@@ -378,6 +378,18 @@ class ReplicaRun:
             self._mismatch()
 
     # -- rendezvous ----------------------------------------------------------------------
+    def refuse_outside(self, replica_id: int, kind: str) -> None:
+        """A replica's collective called outside that replica (not in its context on its
+        thread): say why it cannot be. TF refuses it too; csrun used to wait forever."""
+        if self.body is None:
+            _run_has_returned(self)
+        if self.merging == threading.get_ident():
+            raise RuntimeError(f"{kind} cannot be called inside merge_call's merge_fn")
+        raise RuntimeError(
+            f"{kind} of replica {replica_id} was called outside that replica (on another "
+            "thread, or in cross-replica context): a replica's collectives run in its own "
+            "function, on its thread (TF: 'Need to be inside call_for_each_replica()')")
+
     def sync(self, replica_id: int, kind: str, payload: Any,
              merge: Callable[[list], list]) -> Any:
         """Meet the other replicas; return this replica's share of ``merge(payloads)``.

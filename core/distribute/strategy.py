@@ -18,13 +18,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import context
-from .context import Entry, ReplicaContext, cross_replica_required
+from .context import (Entry, ReplicaContext, cross_replica_required,
+                      require_cross_replica_or_default)
 from .cross_device_ops import Collectives
 from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext)
-from .parameters import ParameterStore, serve_while
+from .parameters import ParameterStore, note_compiler, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
@@ -79,15 +80,15 @@ class _Scope:
     def __enter__(self) -> "Strategy":
         current = context.current_entry()
         _check_not_mixing(current, self._strategy)
-        if current.replica is None:
-            self._entry = Entry(self._strategy)
-            context.push(self._entry)
+        if current.replica is not None:  # TF's rule: scope() is cross-replica
+            require_cross_replica_or_default(self._strategy, "strategy.scope()")
+        self._entry = Entry(self._strategy)
+        context.push(self._entry)
         return self._strategy
 
     def __exit__(self, *exc) -> None:
-        if self._entry is not None:
-            context.pop(self._entry)
-            self._entry = None
+        context.pop(self._entry)
+        self._entry = None
 
 
 def _check_not_mixing(current: Entry, strategy: "Strategy") -> None:
@@ -180,7 +181,7 @@ class Strategy:
         The result goes to the current default device (``torch.get_default_device()``,
         the CPU unless set), TF's "current device". Nests are reduced leaf by leaf.
         """
-        cross_replica_required("reduce")
+        require_cross_replica_or_default(self, "reduce")
         op = ReduceOp.resolve(reduce_op)
         device = current_device()
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
@@ -196,16 +197,14 @@ class Strategy:
         if axis is None:
             if op is ReduceOp.MEAN or replicas == 1 or _is_zero(value):
                 return value
-            raise ValueError(
-                f"A non-distributed value {value!r:.80} cannot be reduced with SUM across "
-                f"{replicas} replicas: it is the same on every replica, so the sum is "
-                "ambiguous. Reduce run's per-replica output, or use MEAN.")
+            raise _ambiguous_sum(value, replicas)
         tensor = as_tensor(value.value() if isinstance(value, Variable) else value)
         return reduce_values(op, [tensor] * replicas, axis, device)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the replicas' components along ``axis`` on the current device."""
-        cross_replica_required("gather")
+        require_cross_replica_or_default(
+            self, "gather", "use get_replica_context().all_gather() instead")
         device = current_device()
 
         def leaf(v):
@@ -318,6 +317,27 @@ class _InitializableIterator:
         return self
 
     __next__ = get_next
+
+
+def _ambiguous_sum(value: Any, replicas: int) -> ValueError:
+    return ValueError(
+        f"A non-distributed value {value!r:.80} cannot be reduced with SUM across "
+        f"{replicas} replicas: it is the same on every replica, so the sum is ambiguous. "
+        "Reduce run's per-replica output, or use MEAN.")
+
+
+def _single_value(value: Any) -> Any:
+    """TF's ``_select_single_value`` for update's arguments: a variable is updated once,
+    with one value."""
+    if isinstance(value, DistributedValues):
+        if len(value.values) != 1:
+            raise ValueError(
+                f"extended.update got a {type(value).__name__} of {len(value.values)} "
+                "components: a variable is updated once, with one value; reduce it first "
+                "(strategy.reduce or extended.reduce_to), or pass the same value from "
+                "every replica")
+        return value.values[0]
+    return value
 
 
 def _is_zero(value: Any) -> bool:
@@ -454,6 +474,7 @@ class ParameterServerStrategyExtended:
         if streams is not None:
             self._start_streams(streams)
         snapshot = policy.before_run()
+        note_compiler()  # a compiled model built outside the scope is adopted whole
         try:
             outputs = run.execute()
             if streams is not None:
@@ -530,8 +551,20 @@ class ParameterServerStrategyExtended:
     # -- TF StrategyExtended methods -----------------------------------------------------
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any) -> Any:
         """Reduce ``value`` across replicas onto ``destinations`` (a device, a tensor or
-        Variable -- its device --, or a DistributedValues: a Mirrored copy per replica)."""
+        Variable -- its device --, or a DistributedValues: a Mirrored copy per replica).
+
+        A value that is not distributed is the same on every replica, as in TF: MEAN
+        returns it as it is, SUM across several replicas is a ValueError (unless zero).
+
+        Raises:
+          RuntimeError: inside a replica (use merge_call), or in another strategy's scope.
+        """
+        require_cross_replica_or_default(self._container, "extended.reduce_to")
         op = ReduceOp.resolve(reduce_op)
+        if not isinstance(value, DistributedValues) and self._num_local_replicas > 1:
+            if op is ReduceOp.SUM and not _is_zero(value):
+                raise _ambiguous_sum(value, self._num_local_replicas)
+            return value
         values = value.values if isinstance(value, DistributedValues) else [value]
         if isinstance(destinations, DistributedValues):
             result = reduce_values(op, values, None, self._parameter.torch_device)
@@ -540,6 +573,7 @@ class ParameterServerStrategyExtended:
 
     def batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Iterable) -> list:
         """:meth:`reduce_to` for each ``(value, destinations)`` pair."""
+        require_cross_replica_or_default(self._container, "extended.batch_reduce_to")
         return [self.reduce_to(reduce_op, v, d) for v, d in value_destination_pairs]
 
     def _destination_device(self, destinations: Any) -> torch.device:
@@ -552,16 +586,49 @@ class ParameterServerStrategyExtended:
     def update(self, var: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None,
                group: bool = True) -> Any:
         """Run ``fn(var, *args, **kwargs)`` once, in cross-replica context, where the
-        variable lives."""
-        cross_replica_required("extended.update")
+        variable lives; its result, or with ``group=False`` a tuple of its local results.
+
+        Called by every replica inside ``run`` it merges into one call (TF 2.21's
+        ``merge_call``), which each replica gets the result of: every replica must pass
+        the same values (a per-replica value is a ValueError, as in TF).
+
+        Raises:
+          ValueError: ``var`` is not a variable (a :class:`Variable`, a parameter, or a
+            tensor or buffer of the strategy), or an argument has several components.
+        """
+        replica = context.current_entry().replica
+        if replica is not None:
+            return replica.merge_call(
+                lambda _, *a, **k: self.update(var, fn, a, k, group), args, kwargs)
+        if not self._is_variable(var):
+            raise ValueError(f"extended.update cannot update {var!r:.80}: it must be a "
+                             "variable (a csrun.core.Variable, or a module's parameter or "
+                             "buffer)")
+        args = map_structure(_single_value, tuple(args))
+        kwargs = map_structure(_single_value, dict(kwargs or {}))
         with self._container.scope(), torch.no_grad():
-            return fn(var, *args, **(kwargs or {}))
+            return self._grouped(fn(var, *args, **kwargs), group)
 
     def update_non_slot(self, colocate_with: Any, fn: Callable, args: tuple = (),
                         kwargs: dict | None = None, group: bool = True) -> Any:
-        cross_replica_required("extended.update_non_slot")
+        """Run ``fn(*args, **kwargs)`` once, in cross-replica context (see :meth:`update`
+        for ``group``)."""
+        require_cross_replica_or_default(self._container, "extended.update_non_slot")
         with self._container.scope():
-            return fn(*args, **(kwargs or {}))
+            return self._grouped(fn(*args, **(kwargs or {})), group)
+
+    def _grouped(self, result: Any, group: bool) -> Any:
+        """TF: ``group=False`` gives each leaf's local results (a 1-tuple for a plain
+        value)."""
+        if group:
+            return result
+        return map_structure(lambda v: local_results(v, self._num_local_replicas), result)
+
+    def _is_variable(self, var: Any) -> bool:
+        if isinstance(var, (Variable, torch.nn.Parameter)):
+            return True
+        return isinstance(var, torch.Tensor) and (self._store.owns(var)
+                                                  or self._store.holds_buffer(var))
 
     def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
         return (self._parameter.name,)
@@ -587,6 +654,7 @@ class ParameterServerStrategyExtended:
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Mirrored:
         """A Mirrored copy of ``tensor`` on every replica device."""
+        require_cross_replica_or_default(self._container, "extended.broadcast_to")
         tensor = as_tensor(tensor)
         return Mirrored([tensor.to(d.torch_device, copy=True) for d in self._compute])
 
@@ -688,6 +756,11 @@ class _DefaultStrategy(Strategy):
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return dataset_fn(InputContext())
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """``value_fn(ValueContext())`` itself: TF's default strategy returns the value,
+        not a PerReplica (its ``run`` would not unwrap one)."""
+        return value_fn(ValueContext())
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"

@@ -28,11 +28,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
     "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
-    "tensor_dict", "set_tensor_dict", "plain_tensor_dict", "tensor_version",
-    "has_post_accumulate_grad_hook", "current_backward_id", "queue_backward_callback",
+    "tensor_dict", "set_tensor_dict", "plain_tensor_dict", "tensor_dicts", "tensor_version",
+    "route_module_calls", "restore_module_calls", "compiled_module_type", "compiled_original",
+    "has_post_accumulate_grad_hook", "grad_hooks", "route_hook_registration",
+    "restore_hook_registration", "current_backward_id", "queue_backward_callback",
     "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
-    "PRIVATE_SAMPLERS", "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
+    "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
+    "function_modes",
+    "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
 ]
 
 
@@ -81,6 +85,48 @@ def plain_tensor_dict(items) -> dict:
     return type(torch.nn.Module().__dict__["_parameters"])(items)
 
 
+def tensor_dicts(module: torch.nn.Module) -> tuple:
+    """``module``'s own parameter and buffer dicts, in one call (asked on every module
+    call inside a replica, see :func:`route_module_calls`). Plain Python on purpose:
+    dynamo traces it (an ``operator.attrgetter`` broke compiled graphs into fragments)."""
+    own = module.__dict__
+    return own.get("_parameters"), own.get("_buffers")
+
+
+# -- module calls -------------------------------------------------------------------------
+# A module built outside a strategy's scope keeps torch's plain dicts: nothing tells csrun
+# that a replica reads it. While a run is going, every module call passes csrun's function
+# first, which serves such a module from then on as the ones built in scope are. Replacing
+# ``Module.__call__`` costs ~0.4 µs a call; torch's public global forward pre-hook sends
+# every module call of the process down its slow path (~1.6 µs a call).
+def route_module_calls(call: Callable) -> Callable:
+    """Make ``call(module, *args, **kwargs)`` what calling any module runs; returns torch's
+    own ``Module.__call__``, which ``call`` must end in."""
+    torchs = torch.nn.Module.__call__
+    torch.nn.Module.__call__ = call
+    return torchs
+
+
+def restore_module_calls(torchs: Callable, ours: Callable) -> None:
+    """Put torch's ``Module.__call__`` back if ``ours`` still stands there."""
+    if torch.nn.Module.__call__ is ours:
+        torch.nn.Module.__call__ = torchs
+
+
+def compiled_module_type() -> type | None:
+    """The class of ``torch.compile(module)``'s result, None while the compiler is not
+    loaded: its submodules run inside compiled code, without a module call to see."""
+    if not compiler_in_use():
+        return None
+    from torch._dynamo.eval_frame import OptimizedModule
+    return OptimizedModule
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that ``torch.compile`` wrapped into ``module``."""
+    return module._orig_mod
+
+
 # -- autograd -------------------------------------------------------------------------------
 # A tensor's version counter (bumped by every in-place write): how csrun tells that a
 # buffer or a mirrored parameter changed without comparing values. No public accessor;
@@ -94,6 +140,45 @@ def has_post_accumulate_grad_hook(tensor: torch.Tensor, hook: Callable) -> bool:
     output that is a leaf is watched once, however many runs return it."""
     hooks = tensor._post_accumulate_grad_hooks
     return bool(hooks) and any(h is hook for h in hooks.values())
+
+
+def grad_hooks(tensor: torch.Tensor) -> tuple[list, list]:
+    """``tensor``'s gradient hooks (``register_hook``) and post-accumulate-grad hooks, in
+    the order torch runs them. A replica's leaf does not carry its central tensor's: csrun
+    runs them on the replicas' summed gradient (no public way to list them)."""
+    pre, post = tensor._backward_hooks, tensor._post_accumulate_grad_hooks
+    return (list(pre.values()) if pre else [], list(post.values()) if post else [])
+
+
+# Which central tensors carry hooks, without asking each at every step (~55 ns a
+# parameter): while a strategy lives, the two ways to register one on a tensor tell csrun.
+_HOOK_METHODS = ("register_hook", "register_post_accumulate_grad_hook")
+
+
+def route_hook_registration(noted: Callable[[torch.Tensor], None]) -> dict:
+    """Make ``Tensor.register_hook`` and ``Tensor.register_post_accumulate_grad_hook``
+    call ``noted(tensor)`` after torch's own; returns torch's, for
+    :func:`restore_hook_registration`."""
+    torchs = {name: getattr(torch.Tensor, name) for name in _HOOK_METHODS}
+
+    def routed(original: Callable) -> Callable:
+        def register(self, hook):
+            handle = original(self, hook)
+            noted(self)
+            return handle
+        register.__wrapped__ = original
+        register.__doc__ = original.__doc__
+        return register
+    for name, original in torchs.items():
+        setattr(torch.Tensor, name, routed(original))
+    return torchs
+
+
+def restore_hook_registration(torchs: dict) -> None:
+    """Put torch's methods back where csrun's still stand."""
+    for name, original in torchs.items():
+        if getattr(getattr(torch.Tensor, name), "__wrapped__", None) is original:
+            setattr(torch.Tensor, name, original)
 
 
 def current_backward_id() -> int:
@@ -167,6 +252,42 @@ def op_takes_generator(op: OpOverload) -> bool:
 # torch.distributions' Gamma, Beta and Dirichlet): a replica's stream must cover them.
 PRIVATE_SAMPLERS: tuple = tuple(getattr(torch, name) for name in
                                 ("_standard_gamma", "_sample_dirichlet") if hasattr(torch, name))
+
+
+# torch.utils.checkpoint (reentrant or not) saves the CPU generator's state in the forward
+# with ``torch.get_rng_state()`` and restores it with ``torch.set_rng_state()`` before it
+# recomputes, inside ``torch.random.fork_rng``, which saves and restores the same way; each
+# looks the function up on the ``torch`` module when called. A CPU replica draws from a
+# generator of its own, which they do not know of: while replica streams exist, csrun's
+# functions stand there (inside a replica they save and restore its stream as well), and
+# torch's own come back with the last stream. torch has no hook for either.
+_RNG_STATE_MODULES = (torch, torch.random)
+
+
+def replace_rng_state_functions(get_state: Callable, set_state: Callable) -> tuple:
+    """Make ``get_state``/``set_state`` what ``torch.get_rng_state``/``set_rng_state`` and
+    ``torch.random``'s are; returns the functions they replaced (torch's, to call)."""
+    replaced = (torch.get_rng_state, torch.set_rng_state)
+    for module in _RNG_STATE_MODULES:
+        module.get_rng_state, module.set_rng_state = get_state, set_state
+    return replaced
+
+
+def restore_rng_state_functions(replaced: tuple, ours: tuple) -> None:
+    """Put ``replaced`` back wherever ``ours`` still stand (a later patch of someone else's
+    stays)."""
+    for module in _RNG_STATE_MODULES:
+        for name, theirs, mine in zip(("get_rng_state", "set_rng_state"), replaced, ours):
+            if getattr(module, name) is mine:
+                setattr(module, name, theirs)
+
+
+def function_modes() -> list:
+    """This thread's torch function modes, outermost first. A backward runs without the
+    modes of the code that called it (torch does not carry them into the autograd
+    engine), so a checkpoint's recomputation needs a replica's random stream entered
+    again; this says whether it is. torch has no public way to list them."""
+    return torch.overrides._get_current_function_mode_stack()
 
 
 # -- OpenMP -----------------------------------------------------------------------------

@@ -82,8 +82,10 @@ def _apply(tensor: torch.Tensor, op: str, value: torch.Tensor) -> None:
             tensor.sub_(value)
 
 
-def combine_updates(values: list, aggregation: VariableAggregation, name: str) -> Any:
-    """Combine one update value per replica (TF's replica-context aggregation)."""
+def combine_updates(values: list, aggregation: VariableAggregation, name: str,
+                    dtype: torch.dtype | None = None) -> Any:
+    """Combine one update value per replica (TF's replica-context aggregation) for a
+    variable of ``dtype``."""
     if aggregation is VariableAggregation.NONE:
         raise ValueError(
             f"cannot update {name} inside replicas: its aggregation is NONE. Create it with "
@@ -98,6 +100,12 @@ def combine_updates(values: list, aggregation: VariableAggregation, name: str) -
         return as_tensor(first)
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         return as_tensor(first)
+    if aggregation is VariableAggregation.MEAN and dtype is not None and not (
+            dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(
+            f"Cannot update {name} ({dtype}) with MEAN aggregation in replica context: the "
+            "mean of integers is not one (TF refuses it too). Make the variable floating, "
+            "or update it in cross-replica context")
     op = ReduceOp.SUM if aggregation is VariableAggregation.SUM else ReduceOp.MEAN
     return reduce_values(op, values, None, None)
 
@@ -217,7 +225,7 @@ class Variable:
             return self if replica is None else self.value()
 
         def merge(values):
-            combined = combine_updates(values, self.aggregation, self.name)
+            combined = combine_updates(values, self.aggregation, self.name, self.dtype)
             _apply(self._tensor, op, self._as_update(combined))
             return [None] * len(values)
 
@@ -227,4 +235,12 @@ class Variable:
     def _as_update(self, value: Any) -> torch.Tensor:
         if isinstance(value, Variable):
             value = value.tensor
-        return as_tensor(value).detach().to(self._tensor.device, self._tensor.dtype)
+        value = as_tensor(value).detach()
+        dtype = self._tensor.dtype
+        lossy = value.is_complex() or (value.is_floating_point()
+                                        and not torch.equal(value, value.round()))
+        if lossy and not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(f"cannot update {self.name} ({dtype}) with {value.tolist()!r:.60}:"
+                            " the value is not a whole number, and TF refuses to cast it; "
+                            "round it, or make the variable floating")
+        return value.to(self._tensor.device, dtype)

@@ -136,6 +136,48 @@ def test_tensor_dict_is_what_module_reads_and_writes():
             assert type(plain) is type(ti.tensor_dict(fresh, kind)) and plain == {"x": None}
 
 
+def test_tensor_dicts_are_the_dicts_a_module_reads():
+    with relied_on("tensor_dicts"):
+        bn = nn.BatchNorm1d(2)
+        params, buffers = ti.tensor_dicts(bn)
+        assert params is ti.tensor_dict(bn, "parameter") and list(params) == ["weight", "bias"]
+        assert buffers is ti.tensor_dict(bn, "buffer") and "running_mean" in buffers
+
+
+def test_route_module_calls_sees_every_module_call():
+    seen = []
+    with relied_on("route_module_calls / restore_module_calls"):
+        torchs = nn.Module.__call__
+
+        def ours(module, *args, **kwargs):
+            seen.append(type(module).__name__)
+            return torchs(module, *args, **kwargs)
+        assert ti.route_module_calls(ours) is torchs
+        try:
+            model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            out = model(torch.ones(1, 2))
+        finally:
+            ti.restore_module_calls(torchs, ours)
+        assert seen == ["Sequential", "Linear", "ReLU"] and out.shape == (1, 2)
+        assert nn.Module.__call__ is torchs
+        ti.route_module_calls(ours)
+        nn.Module.__call__ = len  # a later patch of someone else's stays
+        try:
+            ti.restore_module_calls(torchs, ours)
+            assert nn.Module.__call__ is len
+        finally:
+            nn.Module.__call__ = torchs
+
+
+def test_compiled_module_type_and_compiled_original():
+    with relied_on("compiled_module_type / compiled_original"):
+        model = nn.Linear(2, 2)
+        compiled = torch.compile(model, backend="eager")
+        assert ti.compiled_module_type() is type(compiled)
+        assert ti.compiled_original(compiled) is model
+        assert not isinstance(model, ti.compiled_module_type())
+
+
 def test_tensor_version():
     with relied_on("tensor_version"):
         t = torch.zeros(3)
@@ -161,6 +203,38 @@ def test_has_post_accumulate_grad_hook():
         assert seen == [leaf]
         handle.remove()
         assert not ti.has_post_accumulate_grad_hook(leaf, hook)
+
+
+def test_grad_hooks_lists_a_tensors_hooks_in_order():
+    with relied_on("grad_hooks"):
+        p = nn.Parameter(torch.ones(2))
+        assert ti.grad_hooks(p) == ([], [])
+        first, second, post = (lambda g: g * 2), (lambda g: g + 1), (lambda t: None)
+        handle = p.register_hook(first)
+        p.register_hook(second)
+        p.register_post_accumulate_grad_hook(post)
+        assert ti.grad_hooks(p) == ([first, second], [post])
+        handle.remove()
+        assert ti.grad_hooks(p) == ([second], [post])
+        (p * 1).sum().backward()  # what torch runs on the gradient: the listed hooks
+        assert p.grad.tolist() == [2.0, 2.0]
+
+
+def test_route_hook_registration_notes_every_registration():
+    noted = []
+    with relied_on("route_hook_registration / restore_hook_registration"):
+        torchs = ti.route_hook_registration(noted.append)
+        try:
+            p = nn.Parameter(torch.ones(2))
+            handle = p.register_hook(lambda g: g * 3)
+            p.register_post_accumulate_grad_hook(lambda t: None)
+            assert noted == [p, p]
+            (p * 1).sum().backward()
+            assert p.grad.tolist() == [3.0, 3.0]  # torch's registration still happened
+            handle.remove()
+        finally:
+            ti.restore_hook_registration(torchs)
+        assert {n: getattr(torch.Tensor, n) for n in torchs} == torchs
 
 
 def test_current_backward_id_and_queue_backward_callback():
@@ -306,6 +380,69 @@ def test_private_samplers_take_a_generator():
             draws = [sampler(torch.ones(4), generator=torch.Generator().manual_seed(5))
                      for _ in range(2)]
             assert torch.equal(*draws)
+
+
+def test_rng_state_functions_are_what_checkpointing_and_fork_rng_call():
+    from torch.utils.checkpoint import checkpoint
+    calls = []
+    real = (torch.get_rng_state, torch.set_rng_state)
+
+    def get_state():
+        calls.append("get")
+        return real[0]()
+
+    def set_state(state):
+        calls.append("set")
+        real[1](state)
+    with relied_on("replace_rng_state_functions / restore_rng_state_functions"):
+        replaced = ti.replace_rng_state_functions(get_state, set_state)
+        try:
+            assert replaced == real
+            assert torch.random.get_rng_state is get_state
+            x = torch.ones(3, requires_grad=True)
+            for reentrant in (True, False):
+                calls.clear()
+                checkpoint(lambda v: torch.nn.functional.dropout(v * 2, 0.5), x,
+                           use_reentrant=reentrant).sum().backward()
+                # forward: save; recompute: fork_rng saves, restores the forward's, restores
+                assert calls == ["get", "get", "set", "set"], (reentrant, calls)
+        finally:
+            ti.restore_rng_state_functions(replaced, (get_state, set_state))
+        assert (torch.get_rng_state, torch.set_rng_state) == real
+        assert torch.random.set_rng_state is real[1]
+        # a later patch of someone else's stays
+        ti.replace_rng_state_functions(get_state, set_state)
+        torch.get_rng_state = len
+        try:
+            ti.restore_rng_state_functions(real, (get_state, set_state))
+            assert torch.get_rng_state is len and torch.set_rng_state is real[1]
+        finally:
+            torch.get_rng_state = real[0]
+
+
+def test_function_modes_lists_this_threads_modes_and_none_in_a_backward():
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(ti.function_modes())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(ti.function_modes())
+            return grad * 2
+    with relied_on("function_modes"):
+        mode = Mode()
+        assert ti.function_modes() == []
+        with mode:
+            Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        assert seen == [[mode], []]
 
 
 def test_uses_openmp_reads_torchs_report():
@@ -512,7 +649,7 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
             dicts = (M._global_parameter_registration_hooks,
                      M._global_buffer_registration_hooks, O._global_optimizer_pre_hooks)
             return [sum(h.__module__.startswith("csrun.") for h in d.values())
-                    for d in dicts]
+                    for d in dicts] + [int(M.Module.__call__.__module__.startswith("csrun."))]
 
         def train(strategy):
             with strategy.scope():
@@ -552,8 +689,45 @@ def test_hooks_go_with_the_last_strategy_and_come_back_with_the_next():
         gc.collect()
         print(ours())
     """)
-    assert out.splitlines() == ["[0, 0, 0]", "[1, 1, 1]", "[1, 1, 1]", "[0, 0, 0]",
-                                "[1, 1, 1] [[-1.0, -1.0]]", "[1, 1, 1]", "[0, 0, 0]"]
+    assert out.splitlines() == ["[0, 0, 0, 0]", "[1, 1, 1, 1]", "[1, 1, 1, 1]",
+                                "[0, 0, 0, 0]", "[1, 1, 1, 1] [[-1.0, -1.0]]",
+                                "[1, 1, 1, 1]", "[0, 0, 0, 0]"]
+
+
+@pytest.mark.process  # starts a fresh interpreter
+def test_rng_state_functions_and_hook_methods_are_csruns_while_strategies_live():
+    # in a fresh process: here other tests' strategies may still be alive
+    out = _run_python("""
+        import gc
+        import torch
+        import csrun.core as cs
+        from csrun.core.distribute import replica_random
+
+        def ours():
+            return (torch.get_rng_state is replica_random.get_rng_state,
+                    torch.random.set_rng_state is replica_random.set_rng_state)
+
+        hook_methods = (torch.Tensor.register_hook,
+                        torch.Tensor.register_post_accumulate_grad_hook)
+
+        print(ours())
+        one = cs.CentralStorageStrategy(["CPU:0"], "CPU:0")  # one replica: no streams
+        print(ours())
+        first, second = [cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+                         for _ in range(2)]
+        print(ours())
+        del first
+        gc.collect()
+        print(ours())
+        print((torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
+              == hook_methods)
+        del second, one
+        gc.collect()
+        print(ours(), (torch.Tensor.register_hook,
+                       torch.Tensor.register_post_accumulate_grad_hook) == hook_methods)
+    """)
+    assert out.splitlines() == ["(False, False)", "(False, False)", "(True, True)",
+                                "(True, True)", "False", "(False, False) True"]
 
 
 def _strategy(n=2):
