@@ -265,22 +265,45 @@ class ParameterServerClient:
             except RuntimeError:
                 pass
 
-    def wait_for_workers(self, tasks: list[str], timeout: float,
+    def unfinished(self, tasks: list[str], lost: dict[str, str] | None = None) -> list[str]:
+        """Of ``tasks``, those that neither finished nor were lost (``lost``: as seen)."""
+        lost = self.lost_workers() if lost is None else lost
+        return [t for t in tasks if t not in lost and not self._store.check([f"finished/{t}"])]
+
+    def wait_for_workers(self, tasks: list[str], silence: float,
                          report: Callable[[str, str], None] | None = None) -> list[str]:
-        """Chief: wait until every other worker finished or was lost; return the lost ones."""
+        """Chief: wait until every other worker finished or was lost; return the lost ones.
+
+        A stopped or hung worker keeps its connection, so no ps sees it die: once no
+        update at all was pushed for ``silence`` seconds, the unfinished workers count as
+        lost too (a slow worker that still pushes is waited for). A signal (this task's
+        ``stop``) during the wait ends it with :class:`Stopped`; after one that came
+        before, the others are stopping too, and are waited for."""
         lost: dict[str, str] = {}  # as last seen: a restarted worker may finish after all
+        silent: dict[str, str] = {}
         reported: set = set()
+        pushed = [self.global_step, time.monotonic()]  # the last push seen, and when
 
         def settled() -> bool:
             lost.clear()
             lost.update(self.lost_workers())
+            unfinished = self.unfinished(tasks, lost)
+            step, now = self.global_step, time.monotonic()
+            if step != pushed[0]:
+                pushed[:] = [step, now]
+            elif unfinished and now - pushed[1] > silence:
+                silent.update({t: f"it neither pushed an update nor finished for "
+                                  f"{silence:g} s (strategy.timeout_s): stopped or hung"
+                               for t in unfinished})
+            lost.update(silent)
             for task, why in lost.items():
                 if task not in reported and report is not None:
                     report(task, why)
                 reported.add(task)
-            return all(t in lost or self._store.check([f"finished/{t}"]) for t in tasks)
+            return not unfinished or bool(silent)
 
-        poll_until(settled, time.monotonic() + timeout)
+        stop = self._stop if self._stop is not None and not self._stop.is_set() else None
+        poll_until(settled, stop=stop, waiting_for="the other workers to finish")
         return sorted(lost)
 
     def end_job(self, timeout: float = 60.0) -> list[dict]:

@@ -285,9 +285,20 @@ class ClusterRole:
 
     def settle(self) -> None:
         """The chief waits for the other workers and pulls the final values, so that its
-        last checkpoint, evaluation and digest are of the job's end."""
-        if self.is_chief:
+        last checkpoint, evaluation and digest are of the job's end. A worker silent for
+        ``strategy.timeout_s`` is lost; a signal ends the wait (the chief then saves what
+        the ps tasks hold, and the run is interrupted)."""
+        if not self.is_chief:
+            return
+        waiting = [t for t in self.ext.unfinished_workers() if t not in self._reported]
+        if waiting:
+            self.emit(Notice(f"waiting for {', '.join(waiting)} to finish (each counts as "
+                             f"lost after {self.config.strategy.timeout_s:g} s without an "
+                             "update: strategy.timeout_s)"))
+        try:
             self.lost = self.ext.wait_for_workers(report=self._report)
+        except Stopped:
+            self.emit(Notice("stopped waiting for the other workers: the job ends here"))
 
     # -- the end ---------------------------------------------------------------------------
     def end(self, result: RunResult, model: torch.nn.Module) -> ClusterRunResult:

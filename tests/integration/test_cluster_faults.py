@@ -242,3 +242,52 @@ def test_a_worker_whose_ps_dies_prints_csruns_one_line_without_cpp_frames(tmp_pa
     lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"error: parameter server ps:0 (127.0.0.1:{ports[2]})")
+
+
+# -- 5. a worker that stops (SIGSTOP) before the chief is done ----------------------------
+def _chief_waiting_for_a_stopped_worker(tmp_path, tasks) -> tuple[Task, Task]:
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    steps = ("train.steps=150", "checkpoint={dir: ck, every_steps: 1000}")
+    tasks(tmp_path, cluster, "ps", 0, 5, *steps)
+    chief = tasks(tmp_path, cluster, "worker", 0, 5, *steps, "--json", "chief.json")
+    worker = tasks(tmp_path, cluster, "worker", 1, 5, *steps)
+    worker.wait_for(worker.trained, "training step")
+    worker.process.send_signal(signal.SIGSTOP)  # its connection stays open: no ps sees it go
+    chief.wait_for(lambda: _last_step(chief) == 150, "the chief's last step")
+    time.sleep(1)  # waiting by now
+    return chief, worker
+
+
+def _last_step(task: Task) -> int:
+    lines = task.metrics.read_text().splitlines() if task.trained() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except ValueError:  # a line being written
+        return 0
+
+
+@pytest.mark.timeout(240)
+def test_the_chief_counts_a_silent_worker_lost_after_timeout_s(tmp_path, tasks):
+    chief, worker = _chief_waiting_for_a_stopped_worker(tmp_path, tasks)
+    code = chief.finish(timeout=90)  # it waited 600 s in silence
+    assert code == 0, chief.text()
+    result = json.loads((tmp_path / "chief.json").read_text())
+    assert result["status"] == "completed" and result["cluster"]["lost_workers"] == ["worker:1"]
+    assert result["checkpoint"]["last"].endswith("ckpt-00000150.pt")
+    assert "waiting for worker:1 to finish" in chief.text()
+    assert "lost worker:1" in chief.text() and "neither pushed an update nor finished for " \
+        "5 s" in " ".join(chief.text().split()), chief.text()
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_the_chief_waits_for_a_silent_worker_saves_and_exits_143(tmp_path,
+                                                                               tasks):
+    chief, worker = _chief_waiting_for_a_stopped_worker(tmp_path, tasks)
+    chief.process.send_signal(signal.SIGTERM)
+    code = chief.finish(timeout=60)  # deaf, it waited on
+    assert code == 143, chief.text()
+    result = json.loads((tmp_path / "chief.json").read_text())
+    assert result["status"] == "interrupted" and result["signal"] == "SIGTERM"
+    assert result["checkpoint"]["last"].endswith("ckpt-00000150.pt")
+    assert "stopped waiting for the other workers" in chief.text()
