@@ -21,11 +21,11 @@ from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
                         STATE, BoundedStore, Channel, ClusterMismatch, ParameterServerError,
-                        agree, bounded, connect_store, decode, encode, flat_by_dtype,
+                        Stopped, agree, bounded, connect_store, decode, encode, flat_by_dtype,
                         gloo_device, pack_state, poll_until, settings_to_json,
                         store_host, transport_error, unflatten_into, unpack_state)
 
-__all__ = ["ParameterServerClient", "placement"]
+__all__ = ["ParameterServerClient", "DuplicateTask", "placement", "CLAIM_GRACE_S"]
 
 
 def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
@@ -70,6 +70,13 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
                                 f"{transport_error(exc)}; the job cannot go on without it")
 
 
+CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
+
+
+class DuplicateTask(ParameterServerError):
+    """Another process already plays this task of the job."""
+
+
 class ParameterServerClient:
     """A worker's connection to every ps task."""
 
@@ -87,11 +94,44 @@ class ParameterServerClient:
                                  timeout)
         self._channels: list[Channel] = []
         self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
+        self._claim()
         self._connect()
         is_chief = chief == self.task
         self._heartbeat = Heartbeat(self._store.raw) if is_chief else None
         self._watch = ChiefWatch(self._store, chief, timeout) if chief and not is_chief \
             else None
+
+    def _claim(self) -> None:
+        """Become the one process that plays this task (``owner/TASK``: its incarnation),
+        or raise :class:`DuplicateTask`: two processes started as the same task both
+        trained, and the chief counted their updates as one worker's. A restarted task
+        takes over from one the ps tasks saw die, or that is not yet seen dead within
+        :data:`CLAIM_GRACE_S` (its connection breaks as it dies)."""
+        key, mine = f"owner/{self.task}", str(self.incarnation)
+        deadline = time.monotonic() + min(CLAIM_GRACE_S, self._timeout)
+        while True:
+            owner = self._store.compare_set(key, "", mine).decode()
+            if owner == mine:
+                return
+            if self._store.check([f"finished/{self.task}"]):
+                raise DuplicateTask(f"{self.task} already did its part of this job (another "
+                                    f"process started as {self.task} finished); start each "
+                                    "task once")
+            if self._died(int(owner)):
+                self._store.compare_set(key, owner, mine)
+                continue
+            if time.monotonic() > deadline:
+                raise DuplicateTask(f"{self.task} is already running in this job: another "
+                                    f"process was started as {self.task} and trains; start "
+                                    "each task once (stop that one first to replace it)")
+            if self._stop is not None and self._stop.is_set():
+                raise Stopped(f"the other {self.task} to go")
+            time.sleep(0.1)
+
+    def _died(self, incarnation: int) -> bool:
+        """Whether the ps tasks saw ``incarnation`` of this task (or a later one) die."""
+        key = f"lost_incarnation/{self.task}"
+        return bool(self._store.check([key])) and int(self._store.get(key)) >= incarnation
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self._timeout
@@ -204,14 +244,20 @@ class ParameterServerClient:
             if not self._store.check([f"lost/{key}"]) or self._store.check([f"finished/{key}"]):
                 continue
             died = int(self._store.get(f"lost_incarnation/{key}"))
-            if died >= self._store.add(f"incarnation/{key}", 0):
+            if died >= self._owner(key):
                 lost[key] = self._store.get(f"lost/{key}").decode()
         return lost
 
     def rejoined_workers(self) -> list[str]:
         """Workers that were restarted and joined again (a second incarnation or later)."""
         return [key for key in self._worker_tasks()
-                if self._store.add(f"incarnation/{key}", 0) > 1]
+                if self._owner(key) > 1]
+
+    def _owner(self, task: str) -> int:
+        """The incarnation that plays ``task`` now (0: none yet); a refused duplicate
+        counts one more incarnation, but never owns the task."""
+        key = f"owner/{task}"
+        return int(self._store.get(key)) if self._store.check([key]) else 0
 
     def mark_initialized(self, info: dict | None = None) -> None:
         """Chief: the variables hold their starting values (fresh, or restored);

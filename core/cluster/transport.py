@@ -13,7 +13,9 @@ checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
 Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
 ``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
 ``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
-``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK`` and
+``global_step``, ``incarnation/TASK`` (how many processes started as TASK),
+``owner/TASK`` (the incarnation that plays it: one at a time), ``finished/TASK``,
+``lost/TASK`` and
 ``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined);
 ``chief/beat`` (the chief's heartbeat counter) and ``job/agree/NAME`` (what every
 task must agree on).

@@ -291,3 +291,26 @@ def test_sigterm_while_the_chief_waits_for_a_silent_worker_saves_and_exits_143(t
     assert result["status"] == "interrupted" and result["signal"] == "SIGTERM"
     assert result["checkpoint"]["last"].endswith("ckpt-00000150.pt")
     assert "stopped waiting for the other workers" in chief.text()
+
+
+# -- 6. a task started twice ---------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_second_process_started_as_the_same_worker_is_refused(tmp_path, tasks):
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    ps = tasks(tmp_path, cluster, "ps", 0, 30)
+    chief = tasks(tmp_path, cluster, "worker", 0, 30)
+    worker = tasks(tmp_path, cluster, "worker", 1, 30)
+    worker.wait_for(worker.trained, "training step")
+    (tmp_path / "twin").mkdir()
+    twin = tasks(tmp_path / "twin", cluster, "worker", 1, 30)
+    code = twin.finish(timeout=90)  # it trained beside the first, counted as one worker
+    assert code == 1, twin.text()
+    assert "worker:1 is already running in this job: another process was started as " \
+           "worker:1 and trains; start each task once" in " ".join(twin.text().split())
+    assert not twin.trained() and "Traceback" not in twin.text()
+    time.sleep(1)
+    for task in (chief, worker, ps):
+        task.process.send_signal(signal.SIGTERM)
+    assert chief.finish(timeout=60) == 143, chief.text()
+    assert "lost worker:1" not in chief.text()  # the refused process never joined
