@@ -44,8 +44,10 @@ def _leave(code: int) -> None:
     """Exit with the command's ``code``, whatever happens now: a signal during the exit
     ends it with that code (it used to report "no training step ran"), and a thread of
     the user's code that is not a daemon (a Dataset's prefetcher), which Python would
-    wait for forever, is left behind, after the exit handlers ran, with a note. (A
-    signal during the exit handlers, torch's or the loaders', printed a traceback.)"""
+    wait for forever, is left behind, after the exit handlers ran, with a note; so is a
+    call into torch's C++ that a cluster task gave up on (see
+    :func:`csrun.core.cluster.transport.calls_running`). (A signal during the exit
+    handlers, torch's or the loaders', printed a traceback.)"""
     for signum in _CODES:
         signal.signal(signum, lambda signum, frame: os._exit(code))
     _flush()  # what was written (--json -) is out before a signal could cut the exit short
@@ -53,11 +55,14 @@ def _leave(code: int) -> None:
     stranded = ["".join(c if c.isprintable() else ascii(c)[1:-1] for c in t.name[:40])
                 for t in threading.enumerate()
                 if t is not main and not t.daemon and t.is_alive()]
-    if not stranded:
+    transport = sys.modules.get("csrun.core.cluster.transport")  # loaded by a cluster task
+    if not stranded and not (transport and transport.calls_running()):
         return  # Python's own exit
-    sys.stderr.write(fitted(f"note: exiting without waiting for {len(stranded)} thread(s) "
-                            f"still running in your code ({', '.join(stranded)[:200]}); "
-                            "make them daemon threads, or end them") + "\n")
+    if stranded:
+        sys.stderr.write(fitted(f"note: exiting without waiting for {len(stranded)} "
+                                f"thread(s) still running in your code "
+                                f"({', '.join(stranded)[:200]}); make them daemon threads, "
+                                "or end them") + "\n")
     atexit._run_exitfuncs()
     _flush()
     os._exit(code)

@@ -75,6 +75,17 @@ class Stopped(Exception):
 
 
 _SLICE = 0.1  # how long the caller waits at a time: a signal is heard within it
+_running = [0]  # calls in torch's C++ now, on every _Caller's thread
+_running_lock = threading.Lock()
+
+
+def calls_running() -> int:
+    """How many store or channel calls are in torch's C++ code now: one given up on (a
+    timeout, a signal) may return while the interpreter finalizes, and a daemon thread
+    that returns then is ended inside C++ frames: the process aborts with "terminate
+    called without an active exception" (exit 134). The CLI then ends with
+    ``os._exit``, its outcome decided and its output flushed."""
+    return _running[0]
 
 
 class _Caller:
@@ -97,10 +108,15 @@ class _Caller:
     def _serve(self) -> None:
         while True:
             call, box, done = self._queue.get()
+            with _running_lock:
+                _running[0] += 1
             try:
                 box["value"] = call()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box["error"] = exc
+            finally:
+                with _running_lock:
+                    _running[0] -= 1
             done.set()
             del call, box, done  # what it made (a store, a channel) is the caller's alone
 
@@ -173,11 +189,42 @@ def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float,
             host, int(port), is_master=is_master, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout)), timeout, where, stop)
     except (RuntimeError, OSError) as exc:
+        why = None if is_master else unreachable(host, int(port))
+        if why is not None:  # not a frozen store: nothing, or something else, is there
+            raise ParameterServerError(f"cannot reach {where} within {timeout:g} s "
+                                       f"(strategy.timeout_s): {why}") from None
         if isinstance(exc, ParameterServerError):
             raise
         role = "host" if is_master else "reach"
         raise ParameterServerError(f"cannot {role} {where}: {transport_error(exc)}"
                                    ) from None
+
+
+PROBE_S = 1.0  # how long unreachable() waits to connect, then for an answer or a reset
+
+
+def unreachable(host: str, port: int) -> str | None:
+    """Why a store at ``host:port`` cannot be reached, seen through a plain connection
+    that says one byte (at most 2 x :data:`PROBE_S`); None when the peer takes it and
+    waits for more, as a store does: a store that does not answer is frozen or
+    overloaded, not unreachable."""
+    closes = "the program there accepts connections and closes them: another program " \
+             "on that port, or a ps that is shutting down?"
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S) as probe:
+            probe.sendall(b"\0")  # a store waits for the rest of the request
+            return closes if probe.recv(1) == b"" else \
+                "the program there answered what a store would not: another program " \
+                "on that port?"
+    except (socket.timeout, BlockingIOError):
+        return None
+    except ConnectionRefusedError:
+        return "nothing accepts connections there (connection refused): is ps:0 " \
+               "running, at that address?"
+    except (ConnectionResetError, BrokenPipeError):
+        return closes
+    except OSError as exc:  # no route to the host, an unknown host
+        return f"{exc.strerror or exc}: is the address right?"
 
 
 def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:

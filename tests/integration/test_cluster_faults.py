@@ -5,10 +5,12 @@ that disagree on the model or the config, and what a dying ps prints.
 Every wait of the tasks has a bound; so does every wait here.
 """
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -123,6 +125,24 @@ class FrozenPs:
             connection.close()
 
 
+class ResettingPs(FrozenPs):
+    """A ps address whose program reads what a worker says, then resets the connection
+    (another program on the port)."""
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted.set()
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            connection.settimeout(5)
+            with contextlib.suppress(OSError):
+                connection.recv(100)
+            connection.close()  # with SO_LINGER 0: a reset
+
+
 # -- 1. a frozen ps ----------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_a_worker_against_a_frozen_ps_gives_up_after_timeout_s_naming_it(tmp_path, tasks):
@@ -153,6 +173,36 @@ def test_sigterm_while_waiting_for_a_frozen_ps_exits_143_promptly(tmp_path, task
         frozen.close()
     assert code == 143, worker.text()
     assert "stopped by SIGTERM" in worker.text() and "waiting for" in worker.text()
+
+
+@pytest.mark.timeout(180)
+def test_a_ps_address_that_resets_connections_ends_the_worker_with_one_line(tmp_path, tasks):
+    ports = free_ports(2)
+    resetting = ResettingPs(ports[1])
+    try:
+        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+        assert resetting.accepted.wait(120), worker.text()
+        code = worker.finish(timeout=60)
+    finally:
+        resetting.close()
+    # it printed csrun's line, then "terminate called without an active exception": 134
+    assert code == 1, worker.text()
+    lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert f"cannot reach the cluster's store at ps:0 (127.0.0.1:{ports[1]}) within 3 s " \
+           "(strategy.timeout_s): the program there accepts connections and closes them" \
+           in lines[0], lines
+
+
+@pytest.mark.timeout(180)
+def test_a_store_address_where_nothing_listens_is_unreachable_not_frozen(tmp_path, tasks):
+    ports = free_ports(2)  # nothing listens on ports[1]
+    worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+    code = worker.finish(timeout=60)
+    assert code == 1, worker.text()
+    text = " ".join(worker.text().split())
+    assert "nothing accepts connections there (connection refused): is ps:0 running" in text
+    assert "frozen" not in text and "Traceback" not in text
 
 
 # -- 2. a dead or absent chief -----------------------------------------------------------
