@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
-                        STATE, BoundedStore, Channel, ClusterMismatch, ParameterServerError,
+                        STATE, BoundedStore, Caller, Channel, ClusterMismatch, ParameterServerError,
                         Stopped, agree, bounded, connect_store, decode, encode, flat_by_dtype,
                         gloo_device, pack_state, poll_until, settings_to_json,
                         store_host, transport_error, unflatten_into, unpack_state)
@@ -93,6 +93,7 @@ class ParameterServerClient:
                                  resolver.cluster_spec().task_address("ps", 0), self.task,
                                  timeout)
         self._channels: list[Channel] = []
+        self._callers: list[Caller] = []
         self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
         self._claim()
         self._connect()
@@ -144,12 +145,15 @@ class ParameterServerClient:
         for k in range(self.num_ps):
             slot = self._store.add(f"ps/{k}/joins", 1)
             self._store.set(f"ps/{k}/join/{slot}", name)
-        timeout = datetime.timedelta(seconds=self._timeout)
+        # gloo's bound of each tensor's send or receive is a backstop: _call bounds the
+        # whole exchange by the timeout
+        timeout = datetime.timedelta(seconds=2 * self._timeout + 5)
         device = gloo_device(store_host(self._resolver))
         self._channels = [bounded(lambda k=k: Channel(self._store.raw, f"chan/{k}/{name}", 1,
                                                       timeout, device),
                                   self._timeout + 5, f"ps:{k}'s channel", self._stop)
                           for k in range(self.num_ps)]
+        self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]
 
     def agree(self, name: str, value: dict) -> tuple[str, dict]:
         """Publish what every task must agree on (:func:`~.transport.agree`)."""
@@ -159,11 +163,23 @@ class ParameterServerClient:
         return lambda: self._store.check([key])
 
     def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``payload`` to ps ``k`` and take its answer, within ``strategy.timeout_s``
+        for the whole exchange (gloo bounds each tensor's send and receive alone: a silent
+        ps held a worker many times as long), on the channel's caller thread: a second
+        Ctrl-C or SIGTERM is heard while it waits."""
+        address = self._resolver.cluster_spec().task_address("ps", k)
+        channel = self._channels[k]
+
+        def exchange() -> tuple[int, list[torch.Tensor]]:
+            channel.send(op, payload)
+            return channel.recv()
+
         try:
-            self._channels[k].send(op, payload)
-            answer, reply = self._channels[k].recv()
+            answer, reply = self._callers[k].call(exchange, self._timeout,
+                                                  f"parameter server ps:{k} ({address})")
+        except ParameterServerError:
+            raise
         except RuntimeError as exc:
-            address = self._resolver.cluster_spec().task_address("ps", k)
             raise _stopped_answering(f"ps:{k} ({address})", self.task, exc) from None
         if answer == ABORTED:  # the ps says why the job ended
             raise ParameterServerError(decode(reply[0]))

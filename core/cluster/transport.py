@@ -75,7 +75,7 @@ class Stopped(Exception):
 
 
 _SLICE = 0.1  # how long the caller waits at a time: a signal is heard within it
-_running = [0]  # calls in torch's C++ now, on every _Caller's thread
+_running = [0]  # calls in torch's C++ now, on every Caller's thread
 _running_lock = threading.Lock()
 
 
@@ -88,7 +88,7 @@ def calls_running() -> int:
     return _running[0]
 
 
-class _Caller:
+class Caller:
     """Runs blocking calls on one daemon thread of its own; :meth:`call` waits for each
     in short slices, for at most ``timeout`` seconds or until ``stop`` is set.
 
@@ -147,12 +147,12 @@ def bounded(call: Callable[[], Any], timeout: float, what: str,
             stop: threading.Event | None = None) -> Any:
     """``call()`` (a blocking torch.distributed call) for at most ``timeout`` seconds
     (:class:`ParameterServerError` naming ``what``), or until ``stop`` is set
-    (:class:`Stopped`), on a thread of its own (see :class:`_Caller`)."""
-    return _Caller().call(call, timeout, what, stop)
+    (:class:`Stopped`), on a thread of its own (see :class:`Caller`)."""
+    return Caller().call(call, timeout, what, stop)
 
 
 class BoundedStore:
-    """The job's TCPStore with every call bounded by ``timeout`` (see :class:`_Caller`);
+    """The job's TCPStore with every call bounded by ``timeout`` (see :class:`Caller`);
     ``raw`` is the store itself (for process groups, whose own timeout bounds them).
 
     ``fail(exc)`` turns a call's RuntimeError (a dead store) into the error to raise."""
@@ -161,7 +161,7 @@ class BoundedStore:
                  fail: Callable[[BaseException], BaseException] | None = None):
         self.raw, self._timeout, self._what = raw, timeout, what
         self._fail = fail
-        self._caller = _Caller()
+        self._caller = Caller()
 
     def __getattr__(self, name: str) -> Callable:
         method = getattr(self.raw, name)

@@ -8,6 +8,7 @@ Every wait of the tasks has a bound; so does every wait here.
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -364,3 +365,37 @@ def test_a_second_process_started_as_the_same_worker_is_refused(tmp_path, tasks)
         task.process.send_signal(signal.SIGTERM)
     assert chief.finish(timeout=60) == 143, chief.text()
     assert "lost worker:1" not in chief.text()  # the refused process never joined
+
+
+# -- 7. a ps that goes silent mid-run ------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_second_sigterm_is_heard_while_a_push_waits_for_a_silent_ps(tmp_path, tasks):
+    ports = free_ports(2)
+    cluster = loopback(ports, 1)
+    ps = tasks(tmp_path, cluster, "ps", 0, 60)
+    chief = tasks(tmp_path, cluster, "worker", 0, 60)
+    chief.wait_for(lambda: _last_step(chief) >= 20, "training steps")
+    ps.process.send_signal(signal.SIGSTOP)  # silent, its connections open
+    time.sleep(1)  # the chief waits in a push by now
+    chief.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    chief.process.send_signal(signal.SIGTERM)
+    code = chief.finish(timeout=20)  # deaf in gloo's wait, it waited out its 60 s
+    assert code == 143, chief.text()
+    assert "aborted (second SIGTERM)" in chief.text()
+
+
+@pytest.mark.timeout(240)
+def test_a_silent_ps_ends_a_worker_within_timeout_s_naming_it(tmp_path, tasks):
+    ports = free_ports(2)
+    cluster = loopback(ports, 1)
+    ps = tasks(tmp_path, cluster, "ps", 0, 3)
+    chief = tasks(tmp_path, cluster, "worker", 0, 3)
+    chief.wait_for(lambda: _last_step(chief) >= 20, "training steps")
+    ps.process.send_signal(signal.SIGSTOP)
+    code = chief.finish(timeout=60)
+    assert code == 1, chief.text()
+    # a push, or the step's count in the store (on ps:0 too): whichever waits first
+    assert re.search(rf"parameter server ps:0 \(127\.0\.0\.1:{ports[1]}\)(, which holds "
+                     r"the job's store,)? did not answer within 3 s \(strategy\.timeout_s\)",
+                     " ".join(chief.text().split())), chief.text()
