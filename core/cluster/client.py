@@ -20,12 +20,13 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
-                        STATE, BoundedStore, Caller, Channel, ClusterMismatch, ParameterServerError,
-                        Stopped, agree, bounded, connect_store, decode, encode, flat_by_dtype,
-                        gloo_device, pack_state, poll_until, settings_to_json,
-                        store_host, transport_error, unflatten_into, unpack_state)
+                        STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
+                        ParameterServerError, Stopped, agree, bounded, connect_store, decode,
+                        encode, flat_by_dtype, gloo_device, pack_state, poll_until,
+                        settings_to_json, store_host, transport_error, unflatten_into,
+                        unpack_state)
 
-__all__ = ["ParameterServerClient", "DuplicateTask", "placement", "CLAIM_GRACE_S"]
+__all__ = ["ParameterServerClient", "placement", "CLAIM_GRACE_S"]
 
 
 def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
@@ -71,10 +72,6 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
 
 
 CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
-
-
-class DuplicateTask(ParameterServerError):
-    """Another process already plays this task of the job."""
 
 
 class ParameterServerClient:

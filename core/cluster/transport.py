@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
 
-__all__ = ["ParameterServerError", "ClusterMismatch", "Stopped"]
+__all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
 
 REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED = range(1, 10)
 _HEADER = 32
@@ -64,6 +64,10 @@ def store_host(resolver: ClusterResolver) -> str:
 
 class ClusterMismatch(ParameterServerError):
     """This task's model or settings differ from the job's: it cannot take part."""
+
+
+class DuplicateTask(ParameterServerError):
+    """Another process already plays this task of the job (started twice)."""
 
 
 class Stopped(Exception):

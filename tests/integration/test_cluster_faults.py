@@ -399,3 +399,20 @@ def test_a_silent_ps_ends_a_worker_within_timeout_s_naming_it(tmp_path, tasks):
     assert re.search(rf"parameter server ps:0 \(127\.0\.0\.1:{ports[1]}\)(, which holds "
                      r"the job's store,)? did not answer within 3 s \(strategy\.timeout_s\)",
                      " ".join(chief.text().split())), chief.text()
+
+
+@pytest.mark.timeout(240)
+def test_a_second_process_started_as_the_same_ps_is_refused(tmp_path, tasks):
+    ports = free_ports(4)
+    cluster = {"worker": [f"127.0.0.1:{ports[0]}"],
+               "ps": [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}"]}
+    tasks(tmp_path, cluster, "ps", 0, 30)
+    tasks(tmp_path, cluster, "ps", 1, 30)
+    chief = tasks(tmp_path, cluster, "worker", 0, 30)
+    chief.wait_for(chief.trained, "training step")
+    (tmp_path / "twin").mkdir()
+    twin = tasks(tmp_path / "twin", cluster, "ps", 1, 30)
+    code = twin.finish(timeout=90)  # it served beside the first until the job ended
+    assert code == 1, twin.text()
+    assert "ps:1 is already running in this job: another process was started as ps:1; " \
+           "start each task once" in " ".join(twin.text().split())
