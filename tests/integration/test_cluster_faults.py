@@ -416,3 +416,28 @@ def test_a_second_process_started_as_the_same_ps_is_refused(tmp_path, tasks):
     assert code == 1, twin.text()
     assert "ps:1 is already running in this job: another process was started as ps:1; " \
            "start each task once" in " ".join(twin.text().split())
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_finished_or_runs_is_not_played_again():
+    """Through the library: a second client as worker:1 is refused while the first runs
+    (after min(CLAIM_GRACE_S, timeout)), and once the first finished."""
+    from csrun.core.cluster.transport import DuplicateTask
+    port = free_ports(1)[0]
+    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": [f"127.0.0.1:{port}"]}
+    server = ParameterServer(SimpleClusterResolver(spec, "ps", 0), timeout=30)
+    stop = threading.Event()
+    threading.Thread(target=server.serve, kwargs={"stop": stop, "grace": 0},
+                     daemon=True).start()
+    first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
+    with pytest.raises(DuplicateTask, match="worker:1 is already running in this job"):
+        ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
+    first.finish()  # its goodbye: the ps marks worker:1 finished
+    deadline = time.monotonic() + 30
+    while True:  # "already running" until the ps has read the goodbye
+        with pytest.raises(DuplicateTask) as refused:
+            ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
+        if "worker:1 already did its part of this job" in str(refused.value):
+            break
+        assert time.monotonic() < deadline, refused.value
+    stop.set()
