@@ -9,6 +9,7 @@ standard library is used here: it must work before anything heavy is imported.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -16,6 +17,9 @@ import signal
 import stat
 import sys
 import textwrap
+import threading
+
+from . import streams
 
 __all__ = ["main"]
 
@@ -23,17 +27,53 @@ _CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def main() -> None:
-    """Entry point: guard the start, run the command, then let the exit be quiet."""
+    """Entry point: guard the start, run the command, then exit with its outcome."""
     for signum in _CODES:
         signal.signal(signum, _stop_now)
     _follow_launcher(os.environ.get("CSRUN_LAUNCHER_PID"))
+    streams.install()  # a reader that stopped reading cannot keep a stop from being heard
     try:
         from .main import main as run_command
         run_command()
-    finally:
-        # a Ctrl-C while atexit handlers run (torch's, the loaders') would print a
-        # traceback; the outcome is already decided
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except SystemExit as exc:  # the command's outcome, decided and reported
+        _leave(exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1)
+        raise
+
+
+def _leave(code: int) -> None:
+    """Exit with the command's ``code``, whatever happens now: a signal during the exit
+    ends it with that code (it used to report "no training step ran"), and a thread of
+    the user's code that is not a daemon (a Dataset's prefetcher), which Python would
+    wait for forever, is left behind, after the exit handlers ran, with a note; so is a
+    call into torch's C++ that a cluster task gave up on (see
+    :func:`csrun.core.cluster.transport.calls_running`). (A signal during the exit
+    handlers, torch's or the loaders', printed a traceback.)"""
+    for signum in _CODES:
+        signal.signal(signum, lambda signum, frame: os._exit(code))
+    _flush()  # what was written (--json -) is out before a signal could cut the exit short
+    main = threading.main_thread()
+    stranded = ["".join(c if c.isprintable() else ascii(c)[1:-1] for c in t.name[:40])
+                for t in threading.enumerate()
+                if t is not main and not t.daemon and t.is_alive()]
+    transport = sys.modules.get("csrun.core.cluster.transport")  # loaded by a cluster task
+    if not stranded and not (transport and transport.calls_running()):
+        return  # Python's own exit
+    if stranded:
+        sys.stderr.write(fitted(f"note: exiting without waiting for {len(stranded)} "
+                                f"thread(s) still running in your code "
+                                f"({', '.join(stranded)[:200]}); make them daemon threads, "
+                                "or end them") + "\n")
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away: nothing more to say
+            pass
 
 
 def _follow_launcher(pid: str | None) -> None:
@@ -67,8 +107,10 @@ def fitted(text: str) -> str:
     (:mod:`csrun.cli.lines` needs rich, which may not be loaded yet)."""
     if not sys.stderr.isatty():
         return text
-    return textwrap.fill(text, shutil.get_terminal_size().columns, subsequent_indent="  ",
-                         break_long_words=False, break_on_hyphens=False)
+    # a terminal that says it has 0 columns (a pty never sized) has the minimum of render's
+    width = max(20, shutil.get_terminal_size().columns)
+    return textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def _json_path(args: list[str]) -> str | None:

@@ -50,6 +50,7 @@ def launch(
     from csrun.core.runner.launch import plan_launch
     from csrun.core.runner.signals import stop_on_signals
 
+    from . import streams
     from .outcomes import reporting
     from .render import View, clean_floats, write_json
     view = View(json_to_stdout=json_path == "-")
@@ -58,6 +59,7 @@ def launch(
                            resume=resume, logs=logs)
         view.launch_started(plan)
         stop, received = threading.Event(), []
+        streams.stopping(stop)  # then a full stdout no longer holds the job up
         with stop_on_signals(stop, received):
             result = run_job(plan, view.on_launch_event, stop, received,
                              environ=view.task_environ())

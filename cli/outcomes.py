@@ -66,9 +66,10 @@ def reporting(view: View, json_path: str | None, *, config: str | None = None,
         error = _user_exit(exc)  # sys.exit/argparse in user code: csrun did not decide it
         view.failure(error)
         _finish(json_path, FAILED, {"status": "failed", "error": error})
-    except Aborted:
-        view.aborted()
-        _finish(json_path, INTERRUPTED, {"status": "aborted"})
+    except Aborted as exc:
+        view.aborted(exc.signal)
+        _finish(json_path, TERMINATED if exc.signal == "SIGTERM" else INTERRUPTED,
+                {"status": "aborted", "signal": exc.signal})
     except KeyboardInterrupt:  # a first Ctrl-C outside training: nothing to save
         view.interrupted(None, saved_nothing="no training step was running")
         _finish(json_path, INTERRUPTED, {"status": "interrupted", "signal": "SIGINT"})

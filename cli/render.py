@@ -165,21 +165,46 @@ class _Plain:
 
 _TRAILING = re.compile(r"[ \t]+\n")
 TASK_COLUMNS = "CSRUN_COLUMNS"  # set by csrun launch on a terminal: see task_environ
+# A width outside these is no terminal's: COLUMNS=0 made rich print nothing at all (every
+# error hidden), and a huge one would draw a progress bar that wide. Below the minimum it
+# is taken as unknown, above the maximum as the maximum.
+MIN_COLUMNS, MAX_COLUMNS = 20, 4096
 
 
 def _console(stderr: bool) -> Console:
     console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal:
-        # a task of `csrun launch`, whose lines the launcher shows on a terminal behind a
-        # prefix, fits them to the room left (CSRUN_COLUMNS, from the launcher)
-        fitted = os.environ.get(TASK_COLUMNS, "")
-        console = Console(file=_Plain(stderr, fitted.isdigit()),  # type: ignore[arg-type]
-                          highlight=False)
-        if fitted.isdigit():
-            console.width = int(fitted)
-        elif "COLUMNS" not in os.environ:
-            console.width = 120  # CI logs have no terminal width; 80 would wrap the tables
+    columns = _columns(os.environ.get("COLUMNS"))
+    if console.is_terminal:
+        if not MIN_COLUMNS <= console.width <= MAX_COLUMNS:  # rich took COLUMNS as given
+            console.width = columns or _terminal_width(console)
+        return console
+    # a task of `csrun launch`, whose lines the launcher shows on a terminal behind a
+    # prefix, fits them to the room left (CSRUN_COLUMNS, from the launcher)
+    fitted = _columns(os.environ.get(TASK_COLUMNS))
+    console = Console(file=_Plain(stderr, fitted is not None),  # type: ignore[arg-type]
+                      highlight=False)
+    # CI logs have no terminal width; 80 would wrap the tables
+    console.width = fitted or columns or 120
     return console
+
+
+def _columns(text: str | None) -> int | None:
+    """The width a ``COLUMNS``-like variable gives: None when it is unset, no number or
+    below :data:`MIN_COLUMNS` (unknown), at most :data:`MAX_COLUMNS`."""
+    text = (text or "").strip()
+    if not (text.isascii() and text.isdigit()):
+        return None
+    width = int(text) if len(text.lstrip("0")) <= 6 else MAX_COLUMNS
+    return min(width, MAX_COLUMNS) if width >= MIN_COLUMNS else None
+
+
+def _terminal_width(console: Console) -> int:
+    """The terminal's own width (80 when it does not say), within the sane range."""
+    try:
+        width = os.get_terminal_size(console.file.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's stream)
+        width = 80
+    return min(max(width, MIN_COLUMNS), MAX_COLUMNS) if width else 80
 
 
 class View:
@@ -247,9 +272,10 @@ class View:
         with a line of source)."""
         say(self.err, f"[yellow]warning:[/] {escape(message)} ({escape(where)})")
 
-    def aborted(self) -> None:
+    def aborted(self, signal: str = "SIGINT") -> None:
         self.close()
-        say(self.err, "[yellow]aborted[/] (second Ctrl-C): nothing saved from this step")
+        second = "Ctrl-C" if signal == "SIGINT" else escape(signal)
+        say(self.err, f"[yellow]aborted[/] (second {second}): nothing saved from this step")
 
     # -- a training run ----------------------------------------------------------------------
     def on_event(self, event: Any) -> None:
@@ -554,7 +580,10 @@ def _count(n: int | float, noun: str) -> str:
 
 def _problem_count(problems: Sequence[Any]) -> str:
     """``2 problems in the config``, ``1 problem with the command line`` (an option's,
-    such as ``--plot``), or both counted."""
+    such as ``--plot``), or both counted; ``... in the environment`` when every one is an
+    environment variable's alone (``CSRUN_LOGICAL_CPUS``)."""
+    if all(not p.path and (p.origin or "").startswith("environment ") for p in problems):
+        return f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in the environment"
     options = sum(p.path.startswith("--") for p in problems)
     config = len(problems) - options
     if not options:

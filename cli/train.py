@@ -38,17 +38,22 @@ def train(
     """
     # csrun.core (torch) and the rendering are imported when the command runs, not with
     # the module: `csrun --help` and `--version` then start without torch (~2 s)
+    import threading
+
     from csrun.core.runner.session import Outputs
     from csrun.core.runner.train import task_name, train_from_file
 
+    from . import streams
     from .outcomes import INTERRUPTED, OK, TERMINATED, reporting
     from .render import View, clean_floats, write_json
     view = View(json_to_stdout=json_path == "-")
+    stop = threading.Event()  # set by the first Ctrl-C or SIGTERM
+    streams.stopping(stop)  # then a full stdout no longer holds the run up
     with reporting(view, json_path, config=config,
                    outputs={"--metrics": metrics, "--plot": plot}):
         result = train_from_file(config, overrides or [], resume=resume,
                                  outputs=Outputs(metrics, plot, tensorboard, json_path),
-                                 on_event=view.on_event)
+                                 on_event=view.on_event, stop=stop)
         view.summary(result, {"plot": plot, "metrics": metrics, "tensorboard": tensorboard})
         code = OK if result.status != "interrupted" else \
             TERMINATED if result.signal == "SIGTERM" else INTERRUPTED

@@ -20,12 +20,13 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
-                        STATE, BoundedStore, Channel, ClusterMismatch, ParameterServerError,
-                        agree, bounded, connect_store, decode, encode, flat_by_dtype,
-                        gloo_device, pack_state, poll_until, settings_to_json,
-                        store_host, transport_error, unflatten_into, unpack_state)
+                        STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
+                        ParameterServerError, Stopped, agree, bounded, connect_store, decode,
+                        encode, flat_by_dtype, gloo_device, pack_state, poll_until,
+                        settings_to_json, store_host, transport_error, unflatten_into,
+                        unpack_state)
 
-__all__ = ["ParameterServerClient", "placement"]
+__all__ = ["ParameterServerClient", "placement", "CLAIM_GRACE_S"]
 
 
 def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
@@ -70,6 +71,9 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
                                 f"{transport_error(exc)}; the job cannot go on without it")
 
 
+CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
+
+
 class ParameterServerClient:
     """A worker's connection to every ps task."""
 
@@ -86,12 +90,46 @@ class ParameterServerClient:
                                  resolver.cluster_spec().task_address("ps", 0), self.task,
                                  timeout)
         self._channels: list[Channel] = []
+        self._callers: list[Caller] = []
         self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
+        self._claim()
         self._connect()
         is_chief = chief == self.task
         self._heartbeat = Heartbeat(self._store.raw) if is_chief else None
         self._watch = ChiefWatch(self._store, chief, timeout) if chief and not is_chief \
             else None
+
+    def _claim(self) -> None:
+        """Become the one process that plays this task (``owner/TASK``: its incarnation),
+        or raise :class:`DuplicateTask`: two processes started as the same task both
+        trained, and the chief counted their updates as one worker's. A restarted task
+        takes over from one the ps tasks saw die, or that is not yet seen dead within
+        :data:`CLAIM_GRACE_S` (its connection breaks as it dies)."""
+        key, mine = f"owner/{self.task}", str(self.incarnation)
+        deadline = time.monotonic() + min(CLAIM_GRACE_S, self._timeout)
+        while True:
+            owner = self._store.compare_set(key, "", mine).decode()
+            if owner == mine:
+                return
+            if self._store.check([f"finished/{self.task}"]):
+                raise DuplicateTask(f"{self.task} already did its part of this job (another "
+                                    f"process started as {self.task} finished); start each "
+                                    "task once")
+            if self._died(int(owner)):
+                self._store.compare_set(key, owner, mine)
+                continue
+            if time.monotonic() > deadline:
+                raise DuplicateTask(f"{self.task} is already running in this job: another "
+                                    f"process was started as {self.task} and trains; start "
+                                    "each task once (stop that one first to replace it)")
+            if self._stop is not None and self._stop.is_set():
+                raise Stopped(f"the other {self.task} to go")
+            time.sleep(0.1)
+
+    def _died(self, incarnation: int) -> bool:
+        """Whether the ps tasks saw ``incarnation`` of this task (or a later one) die."""
+        key = f"lost_incarnation/{self.task}"
+        return bool(self._store.check([key])) and int(self._store.get(key)) >= incarnation
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self._timeout
@@ -104,12 +142,15 @@ class ParameterServerClient:
         for k in range(self.num_ps):
             slot = self._store.add(f"ps/{k}/joins", 1)
             self._store.set(f"ps/{k}/join/{slot}", name)
-        timeout = datetime.timedelta(seconds=self._timeout)
+        # gloo's bound of each tensor's send or receive is a backstop: _call bounds the
+        # whole exchange by the timeout
+        timeout = datetime.timedelta(seconds=2 * self._timeout + 5)
         device = gloo_device(store_host(self._resolver))
         self._channels = [bounded(lambda k=k: Channel(self._store.raw, f"chan/{k}/{name}", 1,
                                                       timeout, device),
                                   self._timeout + 5, f"ps:{k}'s channel", self._stop)
                           for k in range(self.num_ps)]
+        self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]
 
     def agree(self, name: str, value: dict) -> tuple[str, dict]:
         """Publish what every task must agree on (:func:`~.transport.agree`)."""
@@ -119,11 +160,23 @@ class ParameterServerClient:
         return lambda: self._store.check([key])
 
     def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``payload`` to ps ``k`` and take its answer, within ``strategy.timeout_s``
+        for the whole exchange (gloo bounds each tensor's send and receive alone: a silent
+        ps held a worker many times as long), on the channel's caller thread: a second
+        Ctrl-C or SIGTERM is heard while it waits."""
+        address = self._resolver.cluster_spec().task_address("ps", k)
+        channel = self._channels[k]
+
+        def exchange() -> tuple[int, list[torch.Tensor]]:
+            channel.send(op, payload)
+            return channel.recv()
+
         try:
-            self._channels[k].send(op, payload)
-            answer, reply = self._channels[k].recv()
+            answer, reply = self._callers[k].call(exchange, self._timeout,
+                                                  f"parameter server ps:{k} ({address})")
+        except ParameterServerError:
+            raise
         except RuntimeError as exc:
-            address = self._resolver.cluster_spec().task_address("ps", k)
             raise _stopped_answering(f"ps:{k} ({address})", self.task, exc) from None
         if answer == ABORTED:  # the ps says why the job ended
             raise ParameterServerError(decode(reply[0]))
@@ -204,14 +257,20 @@ class ParameterServerClient:
             if not self._store.check([f"lost/{key}"]) or self._store.check([f"finished/{key}"]):
                 continue
             died = int(self._store.get(f"lost_incarnation/{key}"))
-            if died >= self._store.add(f"incarnation/{key}", 0):
+            if died >= self._owner(key):
                 lost[key] = self._store.get(f"lost/{key}").decode()
         return lost
 
     def rejoined_workers(self) -> list[str]:
         """Workers that were restarted and joined again (a second incarnation or later)."""
         return [key for key in self._worker_tasks()
-                if self._store.add(f"incarnation/{key}", 0) > 1]
+                if self._owner(key) > 1]
+
+    def _owner(self, task: str) -> int:
+        """The incarnation that plays ``task`` now (0: none yet); a refused duplicate
+        counts one more incarnation, but never owns the task."""
+        key = f"owner/{task}"
+        return int(self._store.get(key)) if self._store.check([key]) else 0
 
     def mark_initialized(self, info: dict | None = None) -> None:
         """Chief: the variables hold their starting values (fresh, or restored);
@@ -265,22 +324,45 @@ class ParameterServerClient:
             except RuntimeError:
                 pass
 
-    def wait_for_workers(self, tasks: list[str], timeout: float,
+    def unfinished(self, tasks: list[str], lost: dict[str, str] | None = None) -> list[str]:
+        """Of ``tasks``, those that neither finished nor were lost (``lost``: as seen)."""
+        lost = self.lost_workers() if lost is None else lost
+        return [t for t in tasks if t not in lost and not self._store.check([f"finished/{t}"])]
+
+    def wait_for_workers(self, tasks: list[str], silence: float,
                          report: Callable[[str, str], None] | None = None) -> list[str]:
-        """Chief: wait until every other worker finished or was lost; return the lost ones."""
+        """Chief: wait until every other worker finished or was lost; return the lost ones.
+
+        A stopped or hung worker keeps its connection, so no ps sees it die: once no
+        update at all was pushed for ``silence`` seconds, the unfinished workers count as
+        lost too (a slow worker that still pushes is waited for). A signal (this task's
+        ``stop``) during the wait ends it with :class:`Stopped`; after one that came
+        before, the others are stopping too, and are waited for."""
         lost: dict[str, str] = {}  # as last seen: a restarted worker may finish after all
+        silent: dict[str, str] = {}
         reported: set = set()
+        pushed = [self.global_step, time.monotonic()]  # the last push seen, and when
 
         def settled() -> bool:
             lost.clear()
             lost.update(self.lost_workers())
+            unfinished = self.unfinished(tasks, lost)
+            step, now = self.global_step, time.monotonic()
+            if step != pushed[0]:
+                pushed[:] = [step, now]
+            elif unfinished and now - pushed[1] > silence:
+                silent.update({t: f"it neither pushed an update nor finished for "
+                                  f"{silence:g} s (strategy.timeout_s): stopped or hung"
+                               for t in unfinished})
+            lost.update(silent)
             for task, why in lost.items():
                 if task not in reported and report is not None:
                     report(task, why)
                 reported.add(task)
-            return all(t in lost or self._store.check([f"finished/{t}"]) for t in tasks)
+            return not unfinished or bool(silent)
 
-        poll_until(settled, time.monotonic() + timeout)
+        stop = self._stop if self._stop is not None and not self._stop.is_set() else None
+        poll_until(settled, stop=stop, waiting_for="the other workers to finish")
         return sorted(lost)
 
     def end_job(self, timeout: float = 60.0) -> list[dict]:

@@ -20,16 +20,21 @@ The store's port (``CSRUN_PS_PORT`` overrides both rules):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from .resolvers import ClusterError, ClusterProblem, SimpleClusterResolver
 
 __all__ = ["TorchrunClusterResolver", "LauncherCluster", "launcher_cluster", "torchrun_cluster", "slurm_cluster",
-           "expand_hostlist", "PS_PORT_ENV", "TORCHRUN_VARS", "SLURM_VARS"]
+           "expand_hostlist", "PS_PORT_ENV", "TORCHRUN_VARS", "SLURM_VARS", "MAX_TASKS"]
 
 PS_PORT_ENV = "CSRUN_PS_PORT"
+# The most processes a launcher's variables may name: every count read from them (the
+# world size, a node list's hosts, tasks per node) is checked against it before a list
+# that long is built. Far beyond the largest parameter-server jobs.
+MAX_TASKS = 65536
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
               "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID")
@@ -71,17 +76,29 @@ def _ints(source: str, env: Mapping[str, str], names: tuple[str, ...]) -> list[i
     if missing:
         raise _fail(source, f"{', '.join(missing)} not set", f"{source} sets "
                     f"{', '.join(names)} for every process")
-    try:
-        return [int(env[n]) for n in names]
-    except ValueError:
+    values = [_int(env[n]) for n in names]
+    if None in values:
         raise _fail(source, f"{', '.join(names)} must be integers, got "
-                    + ", ".join(f"{n}={env[n]!r}" for n in names)) from None
+                    + ", ".join(f"{n}={env[n][:40]!r}" for n in names))
+    return values
+
+
+def _int(text: str) -> int | None:
+    """A whole number of at most 18 digits (longer ones are no rank, size or port)."""
+    text = text.strip()
+    signless = text[1:] if text[:1] in "+-" else text
+    if not (signless.isascii() and signless.isdigit()) or len(signless) > 18:
+        return None
+    return int(text)
 
 
 def _roles(source: str, num_ps: int | None, rank: int, world: int) -> tuple[str, int]:
     if num_ps is None:
         raise _fail(source, f"{world} processes, but how many are ps tasks?",
                     "set strategy.num_ps (ranks 0..num_ps-1 serve the variables)")
+    if not 0 < world <= MAX_TASKS:
+        raise _fail(source, f"{world} processes is not in 1..{MAX_TASKS}",
+                    "is the launcher's world size (WORLD_SIZE, SLURM_NTASKS) right?")
     if not 0 < num_ps < world:
         raise _fail(source, f"strategy.num_ps {num_ps} leaves no worker among {world} "
                     "processes", f"use 1..{world - 1}" if world > 1 else "start more")
@@ -124,10 +141,16 @@ def slurm_cluster(num_ps: int | None, env: Mapping[str, str]) -> LauncherCluster
     except ValueError as exc:
         raise _fail("Slurm", str(exc)) from None
     task = _roles("Slurm", num_ps, rank, world)
-    if "MASTER_PORT" in env and env["MASTER_PORT"].isdigit():
-        default = int(env["MASTER_PORT"]) + 1
+    master_port = _int(env.get("MASTER_PORT", ""))
+    job = _int(env.get("SLURM_JOB_ID", "") or "0")
+    if master_port is not None and master_port >= 0:
+        default = master_port + 1
+    elif job is None or job < 0:
+        raise _fail("Slurm", f"SLURM_JOB_ID={env['SLURM_JOB_ID'][:40]!r} is not a job "
+                    "number, and the store's port is derived from it",
+                    f"unset it, or set {PS_PORT_ENV} (or MASTER_PORT) to choose the port")
     else:
-        default = 20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 10000
+        default = 20000 + job % 10000
     port = _port("Slurm", env, default)
     nodes = _task_nodes(env.get("SLURM_TASKS_PER_NODE", ""), hosts, world)
     return LauncherCluster("Slurm", _split([f"{h}:{port}" for h in nodes], num_ps), task)
@@ -140,45 +163,58 @@ def _split(addresses: list[str], num_ps: int) -> dict[str, list[str]]:
 def _task_nodes(per_node: str, hosts: list[str], world: int) -> list[str]:
     """Each task's node under block distribution (``2(x3),1``: 2 tasks on each of the
     first three nodes, 1 on the fourth); all on the first node when unknown."""
-    counts: list[int] = []
+    counts: list[int] = []  # tasks on each host, never more entries than hosts
     for part in filter(None, per_node.split(",")):
-        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        found = re.fullmatch(r"(\d{1,9})(?:\(x(\d{1,9})\))?", part.strip())
         if not found:
             return [hosts[0]] * world
-        counts += [int(found.group(1))] * int(found.group(2) or 1)
-    nodes = [host for host, n in zip(hosts, counts) for _ in range(n)]
-    return nodes if len(nodes) == world else [hosts[0]] * world
+        repeat = min(int(found.group(2) or 1), len(hosts) - len(counts))
+        counts += [min(int(found.group(1)), world + 1)] * repeat
+    if sum(counts) != world:
+        return [hosts[0]] * world
+    return [host for host, n in zip(hosts, counts) for _ in range(n)]
 
 
-def expand_hostlist(text: str) -> list[str]:
+def expand_hostlist(text: str, limit: int = MAX_TASKS) -> list[str]:
     """Slurm's compact host list, expanded: ``node[01-03,07],gpu1`` -> ``node01, node02,
-    node03, node07, gpu1`` (zero padding kept; several brackets in a name multiply)."""
+    node03, node07, gpu1`` (zero padding kept; several brackets in a name multiply).
+
+    Raises:
+      ValueError: the list is malformed, or names more than ``limit`` hosts (counted
+        while expanding: ``node[0-99999999999]`` is refused, not built).
+    """
     items = re.findall(r"(?:[^,\[\]]|\[[^\]\[]*\])+", text.strip())
     if ",".join(items) != text.strip():  # an unbalanced bracket, an empty item
-        raise ValueError(f"the node list {text!r} is malformed")
-    hosts = [host for item in items for host in _expand_one(item)]
+        raise ValueError(f"the node list {text[:80]!r} is malformed")
+    names = (host for item in items for host in _expand_one(item))
+    hosts = list(itertools.islice(names, limit + 1))
+    if len(hosts) > limit:
+        raise ValueError(f"the node list {text[:80]!r} names more than {limit} hosts")
     if not hosts:
-        raise ValueError(f"the node list {text!r} names no host")
+        raise ValueError(f"the node list {text[:80]!r} names no host")
     return hosts
 
 
-def _expand_one(item: str) -> list[str]:
+def _expand_one(item: str) -> Iterator[str]:
+    """The names of one item, lazily (a bracket's range may be huge)."""
+    if item.count("[") > 8:  # deeper would recurse once per bracket
+        raise ValueError(f"the node list item {item[:80]!r} has more than 8 brackets")
     found = re.match(r"([^\[]*)\[([^\]]*)\](.*)", item)
     if not found:
         if "[" in item or "]" in item:
-            raise ValueError(f"the node list item {item!r} is malformed")
-        return [item]
+            raise ValueError(f"the node list item {item[:80]!r} is malformed")
+        yield item
+        return
     prefix, ranges, rest = found.groups()
-    names = []
     for part in ranges.split(","):
-        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        bounds = re.fullmatch(r"(\d{1,18})(?:-(\d{1,18}))?", part.strip())
         if not bounds:
-            raise ValueError(f"the range {part!r} in {item!r} is malformed")
+            raise ValueError(f"the range {part[:40]!r} in {item[:80]!r} is malformed")
         low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
         if int(high) < int(low):
-            raise ValueError(f"the range {part!r} in {item!r} runs backwards")
-        names += [f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1)]
-    return [name + tail for name in names for tail in _expand_one(rest)]
+            raise ValueError(f"the range {part!r} in {item[:80]!r} runs backwards")
+        for n in range(int(low), int(high) + 1):
+            yield from (f"{prefix}{n:0{len(low)}d}{tail}" for tail in _expand_one(rest))
 
 
 class TorchrunClusterResolver(SimpleClusterResolver):

@@ -28,6 +28,7 @@ from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, Str
 from .client import ParameterServerClient, placement
 from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
 from .server import ParameterServer
+from .transport import Stopped
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -120,6 +121,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         self._resolver = resolver
         self._ps_server: ParameterServer | None = None
         self._lost: list[str] | None = None
+        self._timeout = timeout
         self._task_type = resolver.task_type if resolver else None
         self._task_id = resolver.task_id if resolver else None
         store = None
@@ -262,27 +264,47 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
     def lost_workers(self) -> dict[str, str]:
         return self._remote().client.lost_workers()
 
+    def unfinished_workers(self) -> list[str]:
+        """The other workers that neither finished nor were lost, so far."""
+        return self._remote().client.unfinished(self._others())
+
+    def _others(self) -> list[str]:
+        me = f"{self._task_type}:{self._task_id}"
+        return [t for t in self._worker_tasks if t != me]
+
     def rejoined_workers(self) -> list[str]:
         """Workers restarted during the job that joined it again."""
         return self._remote().client.rejoined_workers()
 
-    def wait_for_workers(self, timeout: float = 600.0,
+    def wait_for_workers(self, timeout: float | None = None,
                          report: Callable[[str, str], None] | None = None) -> list[str]:
         """Chief: wait until every other worker finished or was lost, then pull the
-        final values. Returns the lost workers; ``report(task, why)`` hears of each."""
+        final values. Returns the lost workers; ``report(task, why)`` hears of each.
+
+        Args:
+          timeout: how long no worker may push an update before the unfinished ones
+            count as lost (a stopped or hung process); the strategy's ``timeout``.
+
+        Raises:
+          Stopped: this task's ``stop`` was set (a signal); the others are not waited for.
+        """
         if not self.is_chief:
             raise RuntimeError("only the chief waits for the other workers")
         if self._lost is None:
-            me = f"{self._task_type}:{self._task_id}"
-            others = [t for t in self._worker_tasks if t != me]
-            self._lost = self._remote().client.wait_for_workers(others, timeout, report)
+            client = self._remote().client
+            try:
+                self._lost = client.wait_for_workers(self._others(), timeout or self._timeout,
+                                                     report)
+            except Stopped:
+                self._lost = sorted(client.lost_workers())  # finish() waits no more
+                raise
             self.pull()
         return self._lost
 
-    def finish(self, timeout: float = 600.0,
+    def finish(self, timeout: float | None = None,
                report: Callable[[str, str], None] | None = None) -> list[str]:
         """End this worker's part; the chief also waits for the others (unless
-        :meth:`wait_for_workers` did) and ends the job.
+        :meth:`wait_for_workers` did: ``timeout`` is its) and ends the job.
 
         Returns the workers that were lost (chief only).
         """

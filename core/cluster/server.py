@@ -13,16 +13,17 @@ import collections
 import json
 import threading
 import time
+import uuid
 
 import torch
 
 from .heartbeat import ChiefGone, ChiefWatch
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
-                        REGISTER, STATE, BoundedStore, Channel, agree, connect_store, decode,
-                        encode, flat_by_dtype, gloo_device, pack_state, poll_until,
-                        settings_from_json, store_host, transport_error, unflatten_into,
-                        unpack_state, views_like)
+                        REGISTER, STATE, BoundedStore, Channel, DuplicateTask, agree,
+                        connect_store, decode, encode, flat_by_dtype, gloo_device, pack_state,
+                        poll_until, settings_from_json, store_host, transport_error,
+                        unflatten_into, unpack_state, views_like)
 
 __all__ = ["ParameterServer"]
 
@@ -48,6 +49,7 @@ class ParameterServer:
         self._store = BoundedStore(connect_store(resolver, resolver.task_id == 0, timeout,
                                                  stop),
                                    timeout, f"the cluster's store at ps:0 ({address})")
+        self._claim()
         self._watch = ChiefWatch(self._store, chief, timeout) if chief else None
         self._device = gloo_device(store_host(resolver))
         self._vars: dict[int, torch.Tensor] = {}
@@ -62,6 +64,15 @@ class ParameterServer:
         self._aborted: str | None = None  # why the chief ended the job after a failure
         self._threads: list[threading.Thread] = []
         self._joined = 0  # workers accepted so far (the store counts those that asked)
+
+    def _claim(self) -> None:
+        """Be the one process of this ps task, or raise :class:`DuplicateTask`: a second
+        ps:1 took the workers' joins too and served until the job ended, then failed."""
+        mine = f"ps#{uuid.uuid4().hex}"
+        if self._store.compare_set(f"owner/ps:{self.task_id}", "", mine).decode() != mine:
+            raise DuplicateTask(f"ps:{self.task_id} is already running in this job: another "
+                                f"process was started as ps:{self.task_id}; start each task "
+                                "once")
 
     # -- serving ---------------------------------------------------------------------------
     def serve(self, poll: float = 0.02, close_timeout: float = 60.0,

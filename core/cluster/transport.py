@@ -13,7 +13,9 @@ checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
 Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
 ``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
 ``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
-``global_step``, ``incarnation/TASK``, ``finished/TASK``, ``lost/TASK`` and
+``global_step``, ``incarnation/TASK`` (how many processes started as TASK),
+``owner/TASK`` (the incarnation that plays it: one at a time), ``finished/TASK``,
+``lost/TASK`` and
 ``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined);
 ``chief/beat`` (the chief's heartbeat counter) and ``job/agree/NAME`` (what every
 task must agree on).
@@ -41,7 +43,7 @@ import torch.distributed as dist
 from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
 
-__all__ = ["ParameterServerError", "ClusterMismatch", "Stopped"]
+__all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
 
 REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED = range(1, 10)
 _HEADER = 32
@@ -64,6 +66,10 @@ class ClusterMismatch(ParameterServerError):
     """This task's model or settings differ from the job's: it cannot take part."""
 
 
+class DuplicateTask(ParameterServerError):
+    """Another process already plays this task of the job (started twice)."""
+
+
 class Stopped(Exception):
     """A wait was given up because this task was asked to stop (a signal)."""
 
@@ -73,9 +79,20 @@ class Stopped(Exception):
 
 
 _SLICE = 0.1  # how long the caller waits at a time: a signal is heard within it
+_running = [0]  # calls in torch's C++ now, on every Caller's thread
+_running_lock = threading.Lock()
 
 
-class _Caller:
+def calls_running() -> int:
+    """How many store or channel calls are in torch's C++ code now: one given up on (a
+    timeout, a signal) may return while the interpreter finalizes, and a daemon thread
+    that returns then is ended inside C++ frames: the process aborts with "terminate
+    called without an active exception" (exit 134). The CLI then ends with
+    ``os._exit``, its outcome decided and its output flushed."""
+    return _running[0]
+
+
+class Caller:
     """Runs blocking calls on one daemon thread of its own; :meth:`call` waits for each
     in short slices, for at most ``timeout`` seconds or until ``stop`` is set.
 
@@ -95,10 +112,15 @@ class _Caller:
     def _serve(self) -> None:
         while True:
             call, box, done = self._queue.get()
+            with _running_lock:
+                _running[0] += 1
             try:
                 box["value"] = call()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box["error"] = exc
+            finally:
+                with _running_lock:
+                    _running[0] -= 1
             done.set()
             del call, box, done  # what it made (a store, a channel) is the caller's alone
 
@@ -129,12 +151,12 @@ def bounded(call: Callable[[], Any], timeout: float, what: str,
             stop: threading.Event | None = None) -> Any:
     """``call()`` (a blocking torch.distributed call) for at most ``timeout`` seconds
     (:class:`ParameterServerError` naming ``what``), or until ``stop`` is set
-    (:class:`Stopped`), on a thread of its own (see :class:`_Caller`)."""
-    return _Caller().call(call, timeout, what, stop)
+    (:class:`Stopped`), on a thread of its own (see :class:`Caller`)."""
+    return Caller().call(call, timeout, what, stop)
 
 
 class BoundedStore:
-    """The job's TCPStore with every call bounded by ``timeout`` (see :class:`_Caller`);
+    """The job's TCPStore with every call bounded by ``timeout`` (see :class:`Caller`);
     ``raw`` is the store itself (for process groups, whose own timeout bounds them).
 
     ``fail(exc)`` turns a call's RuntimeError (a dead store) into the error to raise."""
@@ -143,7 +165,7 @@ class BoundedStore:
                  fail: Callable[[BaseException], BaseException] | None = None):
         self.raw, self._timeout, self._what = raw, timeout, what
         self._fail = fail
-        self._caller = _Caller()
+        self._caller = Caller()
 
     def __getattr__(self, name: str) -> Callable:
         method = getattr(self.raw, name)
@@ -171,11 +193,42 @@ def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float,
             host, int(port), is_master=is_master, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout)), timeout, where, stop)
     except (RuntimeError, OSError) as exc:
+        why = None if is_master else unreachable(host, int(port))
+        if why is not None:  # not a frozen store: nothing, or something else, is there
+            raise ParameterServerError(f"cannot reach {where} within {timeout:g} s "
+                                       f"(strategy.timeout_s): {why}") from None
         if isinstance(exc, ParameterServerError):
             raise
         role = "host" if is_master else "reach"
         raise ParameterServerError(f"cannot {role} {where}: {transport_error(exc)}"
                                    ) from None
+
+
+PROBE_S = 1.0  # how long unreachable() waits to connect, then for an answer or a reset
+
+
+def unreachable(host: str, port: int) -> str | None:
+    """Why a store at ``host:port`` cannot be reached, seen through a plain connection
+    that says one byte (at most 2 x :data:`PROBE_S`); None when the peer takes it and
+    waits for more, as a store does: a store that does not answer is frozen or
+    overloaded, not unreachable."""
+    closes = "the program there accepts connections and closes them: another program " \
+             "on that port, or a ps that is shutting down?"
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S) as probe:
+            probe.sendall(b"\0")  # a store waits for the rest of the request
+            return closes if probe.recv(1) == b"" else \
+                "the program there answered what a store would not: another program " \
+                "on that port?"
+    except (socket.timeout, BlockingIOError):
+        return None
+    except ConnectionRefusedError:
+        return "nothing accepts connections there (connection refused): is ps:0 " \
+               "running, at that address?"
+    except (ConnectionResetError, BrokenPipeError):
+        return closes
+    except OSError as exc:  # no route to the host, an unknown host
+        return f"{exc.strerror or exc}: is the address right?"
 
 
 def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .problems import ConfigError, Problem, printable
-from .safe_yaml import load_yaml
+from .safe_yaml import MAX_DEPTH, load_yaml
 
 __all__ = ["parse_override", "apply_overrides", "key_path"]
 
@@ -28,6 +28,10 @@ def parse_override(text: str) -> tuple[tuple, Any]:
                                    "strategy.compute_devices=[CPU:0,CPU:1]",
                                    origin=f"override {text!r}")])
     path = key_path(key)
+    if len(path) > MAX_DEPTH:  # deeper than any file may nest: blame the override
+        raise ConfigError([Problem(key[:200], f"the key is {len(path)} levels deep; a "
+                                   f"config nests at most {MAX_DEPTH}",
+                                   "is the key right?", origin=f"override {text!r}")])
     try:
         value = load_yaml(raw, f"override {text!r}").data
     except ConfigError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 from typing import Iterable
 
 __all__ = ["Problem", "ConfigError", "ConfigNotice", "did_you_mean", "closest", "clipped",
@@ -110,20 +111,33 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     return f"did you mean {best!r}?" if best is not None else None
 
 
+# A did-you-mean compares the user's word with each choice in time proportional to both
+# lengths: a longer word is no misspelling, and a folder or CSV header of 100,000 names
+# is searched among its first CLOSEST_CHOICES only.
+CLOSEST_WORD_MAX = 100
+CLOSEST_CHOICES = 1000
+
+
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """The choice closest to ``word``, or None when none is close.
 
     Closest by edit distance counting a swap of neighbours as one edit (``Adma`` ->
     ``Adam``), ignoring case; difflib's similarity breaks ties and catches the rest.
+    Words over :data:`CLOSEST_WORD_MAX` characters get None; only the first
+    :data:`CLOSEST_CHOICES` choices (of at most that length) are compared.
     """
-    word, choices = str(word), [str(c) for c in choices]
-    if not choices:
+    word = str(word)
+    if len(word) > CLOSEST_WORD_MAX:
         return None
-    scored = sorted(choices, key=lambda c: (_edits(word.lower(), c.lower()),
-                                            -difflib.SequenceMatcher(None, word, c).ratio()))
-    best = scored[0]
-    if _edits(word.lower(), best.lower()) <= max(1, len(word) // 3):
-        return best
+    choices = [c for c in itertools.islice(map(str, choices), CLOSEST_CHOICES)
+               if len(c) <= CLOSEST_WORD_MAX]
+    allowed = max(1, len(word) // 3)
+    # the edit distance is at least the difference in length: skip the choices it rules out
+    near = [c for c in choices if abs(len(c) - len(word)) <= allowed]
+    scored = sorted(near, key=lambda c: (_edits(word.lower(), c.lower()),
+                                         -difflib.SequenceMatcher(None, word, c).ratio()))
+    if scored and _edits(word.lower(), scored[0].lower()) <= allowed:
+        return scored[0]
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return close[0] if close else None
 

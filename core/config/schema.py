@@ -141,7 +141,9 @@ class ParameterServerConfig(_Section):
     timeout_s: float = Field(
         120.0, gt=0, description="Seconds a task waits for the parameter servers to come "
         "up, and for any answer of the job's store; how long the chief's heartbeat may "
-        "stand still before the ps tasks and workers end the job; after a first Ctrl-C or "
+        "stand still before the ps tasks and workers end the job; how long the chief, done, "
+        "waits for the other workers while none pushes an update (then they count as "
+        "lost); after a first Ctrl-C or "
         "SIGTERM, how long a ps keeps serving so that the chief can write its last "
         "checkpoint.")
     execution: Literal["auto", "ordered", "concurrent"] = Field(
@@ -466,6 +468,8 @@ class ParamGroupConfig(BaseModel):
     wins; unmatched parameters form a default group with the optimizer's own options."""
 
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+    # the options are plain data, numbers finite, as every kwargs (`lr: .nan` passed)
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)  # type: ignore[assignment]
 
     match: Annotated[str, AfterValidator(_regex)] = Field(
         description="A regular expression searched in each parameter name "

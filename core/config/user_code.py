@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 import traceback
@@ -41,7 +42,8 @@ class UserCodeError(RuntimeError):
         if message.startswith(self._WORKER):
             where = message.split("\n", 1)[0][len(self._WORKER):].rstrip(".")
             last = message.rstrip().rsplit("\n", 1)[-1]
-            message = f"{last.removeprefix('UserCodeError: ')} (in {where})"
+            last = re.sub(r"^(?:[\w.]+\.)?UserCodeError: ", "", last)  # qualified or not
+            message = f"{last} (in {where})"
         self.message, self.hint = message, hint  # apart, for a config Problem
         super().__init__(f"{message}; {hint}" if hint else message)
 

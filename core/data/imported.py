@@ -23,7 +23,8 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from ..config.problems import ConfigError, Problem
 from ..config.targets import import_object
-from ..config.user_code import CHECKED_FAILURES, user_code_error, user_problem
+from ..config.user_code import (CHECKED_FAILURES, UserCodeError, user_code_error,
+                                user_problem)
 from ..distribute.values import flatten
 
 __all__ = ["ImportedData", "load_imported", "Collate", "Guarded", "examples", "first_batch"]
@@ -139,9 +140,17 @@ class Collate:
     def __call__(self, batch: list) -> Any:
         fn = self.load()
         try:
-            return fn(batch)
+            collated = fn(batch)
         except Exception as exc:  # noqa: BLE001
             raise user_code_error(COLLATE, self.target or "default_collate", exc) from exc
+        # each batch as the first one was checked (first_batch): a string mid-run would
+        # otherwise fail deep in the split, naming no key
+        problem = _unsplittable(collated, len(batch))
+        if problem:
+            raise UserCodeError(f"{COLLATE}: {self.target or 'default_collate'} on "
+                                f"{len(batch)} examples returned no batch: {problem}",
+                                UNSPLITTABLE_HINT)
+        return collated
 
 
 def first_batch(data: ImportedData, collate: Collate, count: int) -> Any:
@@ -172,9 +181,12 @@ def first_batch(data: ImportedData, collate: Collate, count: int) -> Any:
                                         "function and set dataset.collate")]) from None
     problem = _unsplittable(batch, len(items))
     if problem:
-        raise ConfigError([Problem(COLLATE, problem, "a batch is a nest (tuples, lists, "
-                                   "dicts) of tensors whose first dimension is the examples")])
+        raise ConfigError([Problem(COLLATE, problem, UNSPLITTABLE_HINT)])
     return batch
+
+
+UNSPLITTABLE_HINT = ("a batch is a nest (tuples, lists, dicts) of tensors whose first "
+                     "dimension is the examples")
 
 
 def _unsplittable(batch: Any, count: int) -> str | None:

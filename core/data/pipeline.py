@@ -28,11 +28,11 @@ import torch
 from ..config.problems import ConfigError, Problem
 from ..config.schema import DatasetConfig
 from ..config.targets import import_object
-from ..config.user_code import user_code_error
+from ..config.user_code import UserCodeError, user_code_error
 from .imported import Collate, Guarded, ImportedData, examples
 from .sources import SourceData, derive_seed
 
-__all__ = ["Pipeline", "ExampleSet"]
+__all__ = ["Pipeline", "ExampleSet", "is_worker_death", "worker_died"]
 
 
 # -- element and batch transforms (picklable, for worker processes) ------------------------
@@ -417,10 +417,58 @@ class Pipeline:
         workers = self.config.workers
         extra = dict(worker_init_fn=_seed_worker, prefetch_factor=self.prefetch) \
             if workers else {}
-        return torch.utils.data.DataLoader(
+        return _Loader(
             self.dataset, batch_sampler=batch_sampler, collate_fn=self.collate,
             num_workers=workers,
-            pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **extra)
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **extra
+        ).loading(self.loaded())
+
+    def loaded(self) -> str:
+        """What a DataLoader worker runs, as a failure of one names it."""
+        if not self.imported:
+            return f"dataset.source ({self.data.name})"
+        collate = f", collated by dataset.collate {self.config.collate}" \
+            if self.config.collate else ""
+        return f"dataset.source.target {self.data.name}{collate}"
+
+
+class _Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose worker's death (a segfault in the dataset's native code, the
+    kernel's OOM killer) is a failure naming what the worker ran, not torch's own."""
+
+    what = "the dataset"
+
+    def loading(self, what: str) -> "_Loader":
+        self.what = what
+        return self
+
+    def __iter__(self) -> Iterator:
+        batches = super().__iter__()
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                if not is_worker_death(exc):
+                    raise
+                raise worker_died(exc, self.what) from None  # no traceback of use
+            yield batch
+
+
+def is_worker_death(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's word that a DataLoader worker died. It comes from
+    ``next()``, or from torch's SIGCHLD handler wherever the main thread then is."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker (pid")
+
+
+def worker_died(exc: RuntimeError, what: str) -> UserCodeError:
+    """torch's ``DataLoader worker (pid 12) is killed by signal: Segmentation fault.``
+    as a failure of ``what`` the worker ran."""
+    text = str(exc).split(". ", 1)[0].rstrip(".")
+    return UserCodeError(f"a {text} while loading {what}",
+                         "set dataset.workers: 0 to load in this process, and run "
+                         "`python -X faulthandler -m csrun.cli ...` to see where it fails")
 
 
 class _StreamedBatches(torch.utils.data.IterableDataset):

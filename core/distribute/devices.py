@@ -28,6 +28,7 @@ __all__ = [
     "resolve_devices",
     "logical_cpu_count",
     "set_logical_cpu_count",
+    "MAX_LOGICAL_CPUS",
     "local_devices",
     "default_compute_devices",
     "default_parameter_device",
@@ -35,6 +36,9 @@ __all__ = [
 
 _LOCAL_PREFIX = "/job:localhost/replica:0/task:0"
 _ENV_LOGICAL_CPUS = "CSRUN_LOGICAL_CPUS"
+# Each logical CPU is a replica with a thread of its own, and a row of inspect-devices:
+# far beyond what a host computes with, and small enough that listing them stays quick.
+MAX_LOGICAL_CPUS = 4096
 _logical_cpus_override: int | None = None
 
 
@@ -104,17 +108,23 @@ def logical_cpu_count() -> int:
     TensorFlow needs virtual CPUs configured explicitly; csrun offers
     ``max(8, os.cpu_count())`` unless ``set_logical_cpu_count`` or the
     ``CSRUN_LOGICAL_CPUS`` environment variable says otherwise.
+
+    Raises:
+      DeviceError: ``CSRUN_LOGICAL_CPUS`` is not a whole number in 1..MAX_LOGICAL_CPUS.
     """
     if _logical_cpus_override is not None:
         return _logical_cpus_override
     env = os.environ.get(_ENV_LOGICAL_CPUS)
     if env:
-        try:
-            value = int(env)
-        except ValueError:
-            raise DeviceError(f"{_ENV_LOGICAL_CPUS}={env!r} is not a whole number") from None
-        if value < 1:
-            raise DeviceError(f"{_ENV_LOGICAL_CPUS}={env!r} must be at least 1")
+        hint = f"set {_ENV_LOGICAL_CPUS} to a count of 1..{MAX_LOGICAL_CPUS}, or unset it"
+        text = env.strip()
+        if not (text.isascii() and text.isdigit()):  # also bounds int()'s work
+            raise DeviceError(f"{_ENV_LOGICAL_CPUS}={env[:40]!r} is not a whole number",
+                              hint)
+        value = int(text[:12])  # longer is over the bound anyway
+        if not 1 <= value <= MAX_LOGICAL_CPUS or len(text) > 12:
+            raise DeviceError(f"{_ENV_LOGICAL_CPUS}={env[:40]!r} is not in "
+                              f"1..{MAX_LOGICAL_CPUS}", hint)
         return value
     return max(8, os.cpu_count() or 1)
 
@@ -122,8 +132,9 @@ def logical_cpu_count() -> int:
 def set_logical_cpu_count(count: int | None) -> None:
     """Set how many logical CPU devices exist; ``None`` restores the default."""
     global _logical_cpus_override
-    if count is not None and (not isinstance(count, int) or count < 1):
-        raise DeviceError(f"logical CPU count must be a positive int, got {count!r}")
+    if count is not None and (not isinstance(count, int) or not 1 <= count <= MAX_LOGICAL_CPUS):
+        raise DeviceError(f"logical CPU count must be an int in 1..{MAX_LOGICAL_CPUS}, "
+                          f"got {count!r}")
     _logical_cpus_override = count
 
 

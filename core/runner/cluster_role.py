@@ -35,12 +35,16 @@ from .preflight.cluster import cluster_resolver
 from ..config.problems import ConfigError, Problem
 from .events import Notice, RunResult
 from ..cluster.heartbeat import ChiefGone
-from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped
+from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped, bounded
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
 from .checkpointing import run_identity
 from .errors import RunError
 from .session import Outputs, Session, run_session
 from ..distribute.strategy import StrategyOptions
+
+# after a second Ctrl-C or SIGTERM, how long the chief tries to tell the job it ends (the
+# ps tasks and workers otherwise end when its heartbeat stands still: strategy.timeout_s)
+ABORT_NOTICE_S = 2.0
 
 __all__ = ["run_task", "connect", "ClusterRole", "ClusterJoined", "ClusterRunResult",
            "ServeResult", "StoppedWaiting"]
@@ -128,7 +132,12 @@ def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
         # the chief ends the job even when it failed while setting up, or the ps tasks
         # would serve forever
         first = str(exc).splitlines()[0] if str(exc) else ""  # never torch's C++ frames
-        role.abort(f"{joined.task} failed: {type(exc).__name__}: {first}")
+        reason = f"{joined.task} failed: {type(exc).__name__}: {first}"
+        if isinstance(exc, KeyboardInterrupt):  # a second signal: no long wait for a store
+            with contextlib.suppress(Exception):
+                bounded(lambda: role.abort(reason), ABORT_NOTICE_S, "the job's store")
+        else:
+            role.abort(reason)
         if isinstance(exc, ClusterMismatch):  # a config problem: nothing of it ran
             raise ConfigError([Problem("model", str(exc), "run every task with the same "
                                        "config")]) from None
@@ -285,9 +294,20 @@ class ClusterRole:
 
     def settle(self) -> None:
         """The chief waits for the other workers and pulls the final values, so that its
-        last checkpoint, evaluation and digest are of the job's end."""
-        if self.is_chief:
+        last checkpoint, evaluation and digest are of the job's end. A worker silent for
+        ``strategy.timeout_s`` is lost; a signal ends the wait (the chief then saves what
+        the ps tasks hold, and the run is interrupted)."""
+        if not self.is_chief:
+            return
+        waiting = [t for t in self.ext.unfinished_workers() if t not in self._reported]
+        if waiting:
+            self.emit(Notice(f"waiting for {', '.join(waiting)} to finish (each counts as "
+                             f"lost after {self.config.strategy.timeout_s:g} s without an "
+                             "update: strategy.timeout_s)"))
+        try:
             self.lost = self.ext.wait_for_workers(report=self._report)
+        except Stopped:
+            self.emit(Notice("stopped waiting for the other workers: the job ends here"))
 
     # -- the end ---------------------------------------------------------------------------
     def end(self, result: RunResult, model: torch.nn.Module) -> ClusterRunResult:

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -63,9 +64,9 @@ class Evaluator:
                                                 stopping.min_delta)
         self.best = best and MetricWatch(best.metric, best.mode)
 
-    def evaluate(self, step: int) -> Evaluated | None:
+    def evaluate(self, step: int, stop: threading.Event | None = None) -> Evaluated | None:
         """Loss and accuracy on the held-out examples after ``step`` (the chief's to
-        compute)."""
+        compute); None when ``stop`` is set before it ends (a signal: it is let go)."""
         parts = self.parts
         if not parts.role.is_chief or len(self.holdout) == 0:
             return None
@@ -76,6 +77,8 @@ class Evaluator:
         parts.model.eval()
         try:
             for stats in batches:
+                if stop is not None and stop.is_set():
+                    return None
                 for key in ("loss", "examples", "correct"):
                     totals[key] += float(stats[key])  # a tensor, or the count's int
                 add_metrics(totals, stats)
@@ -145,13 +148,14 @@ class Evaluator:
                 f"{stopper.bad} evaluations (best {stopper.best:.6g} at step "
                 f"{stopper.best_step})"))
 
-    def final(self, step: int) -> Evaluated | None:
+    def final(self, step: int, stop: threading.Event | None = None) -> Evaluated | None:
         """The evaluation at the end of a completed run (reported as an event unless this
-        very step was evaluated already: the same numbers)."""
+        very step was evaluated already: the same numbers). Unlike those during training,
+        which a resumed run could not redo, it stops when ``stop`` is set."""
         last = self.last
         if last is not None and last.step == step:
             return last
-        evaluated = self.evaluate(step)
+        evaluated = self.evaluate(step, stop)
         if evaluated is not None:
             self.parts.emit(evaluated)
         return evaluated

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from ..config.problems import ConfigError
 from ..config.user_code import UserCodeError, describe_failure
+from ..data.pipeline import is_worker_death
 from .errors import RunError
 
 __all__ = ["located", "PASSED_ON"]
@@ -28,7 +29,7 @@ def located(exc: Exception, where: str, objective, devices: Sequence[str]) -> Ex
     """``exc`` (raised by a replica's model or loss) as a :class:`UserCodeError` that
     names ``where`` (``"step 5"``, ``"the evaluation after step 9"``), the replica and
     the code; csrun's own errors (:data:`PASSED_ON`) as they are."""
-    if isinstance(exc, PASSED_ON):
+    if isinstance(exc, PASSED_ON) or is_worker_death(exc):  # run_session names the data
         return exc
     replica = getattr(exc, "csrun_replica_id", None)
     if replica is not None and replica < len(devices):

@@ -305,7 +305,8 @@ def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,
         forwarded = _wait(plan, tasks, emit, stop, received)
     except KeyboardInterrupt:
         _kill_all(tasks, emit)
-        return _judge(plan, tasks, begin, "SIGINT", aborted=True)
+        return _judge(plan, tasks, begin, received[-1] if received else "SIGINT",
+                      aborted=True)
     except BaseException:
         # the tasks run in their own sessions: nothing else would ever stop them (a
         # closed stdout under `| head`, a failed start, an unreadable log)
@@ -399,8 +400,8 @@ def _judge(plan: LaunchPlan, tasks: dict[str, _Task], begin: float, forwarded: s
                   and codes[n] != 0 and not t.signalled) if ok else []
     if result and isinstance(result.get("cluster"), dict):
         lost = sorted(set(lost) | set(result["cluster"].get("lost_workers") or []))
-    if aborted:
-        status, code, signal_name = "aborted", 130, "SIGINT"
+    if aborted:  # by a second signal: forwarded names it
+        status, code, signal_name = "aborted", 128 + signal.Signals[forwarded], forwarded
     elif forwarded and not ok:
         status, code, signal_name = "interrupted", 128 + signal.Signals[forwarded], forwarded
     elif ok:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config.schema import RunConfig
-from ..data.pipeline import Pipeline
+from ..data.pipeline import Pipeline, is_worker_death, worker_died
 from ..data.sources import load_source, split_holdout
 from . import replica_step
 from .batches import PassBatches
@@ -86,7 +86,11 @@ def run_session(session: "Session", resume: bool, stop: threading.Event) -> RunR
         if resume:
             session.restore()
         session.fit(stop)
-        return session.finish("interrupted" if stop.is_set() else "completed")
+        return session.finish("interrupted" if stop.is_set() else "completed", stop)
+    except RuntimeError as exc:  # torch's SIGCHLD handler raises it anywhere
+        if is_worker_death(exc):
+            raise worker_died(exc, session.pipeline.loaded()) from None
+        raise
     finally:
         session.close()
 
@@ -346,11 +350,16 @@ class Session:
             seed=self.config.train.seed)
 
     # -- the end ---------------------------------------------------------------------------
-    def finish(self, status: str) -> RunResult:
+    def finish(self, status: str, stop: threading.Event | None = None) -> RunResult:
         """Evaluate (unless interrupted), export, write the plot, and assemble the result;
-        the role's part of the job ends here."""
+        the role's part of the job ends here. A ``stop`` during the final evaluation
+        interrupts the run there (its last checkpoint is saved already)."""
         completed = status == "completed"
-        evaluated = self.evaluator.final(self.state.step) if completed else None
+        evaluated = self.evaluator.final(self.state.step, stop) if completed else None
+        if completed and stop is not None and stop.is_set():
+            status, completed, evaluated = "interrupted", False, None
+            self.emit(Notice(f"interrupted during the final evaluation, after step "
+                             f"{self.state.step}"))
         exported = export_final(self.config, self.model, self.role.is_chief, self.emit,
                                 self.checkpoint_note) if completed else None
         if self.outputs.plot:

@@ -13,7 +13,12 @@ __all__ = ["Aborted", "stop_on_signals"]
 
 class Aborted(KeyboardInterrupt):
     """A second Ctrl-C or SIGTERM while training: stop at once, without saving (a
-    first one outside training is a plain KeyboardInterrupt)."""
+    first one outside training is a plain KeyboardInterrupt). ``signal`` names the one
+    that aborted (``"SIGTERM"``: exit 143, as the first would have)."""
+
+    def __init__(self, signal_name: str = "SIGINT"):
+        super().__init__(signal_name)
+        self.signal = signal_name
 
 
 @contextlib.contextmanager
@@ -29,7 +34,7 @@ def stop_on_signals(stop: threading.Event, received: list):
     def handler(signum, frame):
         received.append(signal.Signals(signum).name)
         if stop.is_set():
-            raise Aborted
+            raise Aborted(received[-1])
         stop.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

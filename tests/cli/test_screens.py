@@ -133,7 +133,7 @@ def replay(recorded, monkeypatch):
     monkeypatch.chdir(folder)
     replayed = {"result": result, "events": list(events)}
 
-    def train(config, overrides, *, resume, outputs, on_event):
+    def train(config, overrides, *, resume, outputs, on_event, stop=None):
         for event in replayed["events"]:
             if isinstance(event, _Warn):
                 warnings.warn(event.message, RuntimeWarning)

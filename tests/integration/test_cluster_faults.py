@@ -5,10 +5,13 @@ that disagree on the model or the config, and what a dying ps prints.
 Every wait of the tasks has a bound; so does every wait here.
 """
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -123,6 +126,24 @@ class FrozenPs:
             connection.close()
 
 
+class ResettingPs(FrozenPs):
+    """A ps address whose program reads what a worker says, then resets the connection
+    (another program on the port)."""
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted.set()
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            connection.settimeout(5)
+            with contextlib.suppress(OSError):
+                connection.recv(100)
+            connection.close()  # with SO_LINGER 0: a reset
+
+
 # -- 1. a frozen ps ----------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_a_worker_against_a_frozen_ps_gives_up_after_timeout_s_naming_it(tmp_path, tasks):
@@ -153,6 +174,36 @@ def test_sigterm_while_waiting_for_a_frozen_ps_exits_143_promptly(tmp_path, task
         frozen.close()
     assert code == 143, worker.text()
     assert "stopped by SIGTERM" in worker.text() and "waiting for" in worker.text()
+
+
+@pytest.mark.timeout(180)
+def test_a_ps_address_that_resets_connections_ends_the_worker_with_one_line(tmp_path, tasks):
+    ports = free_ports(2)
+    resetting = ResettingPs(ports[1])
+    try:
+        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+        assert resetting.accepted.wait(120), worker.text()
+        code = worker.finish(timeout=60)
+    finally:
+        resetting.close()
+    # it printed csrun's line, then "terminate called without an active exception": 134
+    assert code == 1, worker.text()
+    lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert f"cannot reach the cluster's store at ps:0 (127.0.0.1:{ports[1]}) within 3 s " \
+           "(strategy.timeout_s): the program there accepts connections and closes them" \
+           in lines[0], lines
+
+
+@pytest.mark.timeout(180)
+def test_a_store_address_where_nothing_listens_is_unreachable_not_frozen(tmp_path, tasks):
+    ports = free_ports(2)  # nothing listens on ports[1]
+    worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+    code = worker.finish(timeout=60)
+    assert code == 1, worker.text()
+    text = " ".join(worker.text().split())
+    assert "nothing accepts connections there (connection refused): is ps:0 running" in text
+    assert "frozen" not in text and "Traceback" not in text
 
 
 # -- 2. a dead or absent chief -----------------------------------------------------------
@@ -242,3 +293,151 @@ def test_a_worker_whose_ps_dies_prints_csruns_one_line_without_cpp_frames(tmp_pa
     lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"error: parameter server ps:0 (127.0.0.1:{ports[2]})")
+
+
+# -- 5. a worker that stops (SIGSTOP) before the chief is done ----------------------------
+def _chief_waiting_for_a_stopped_worker(tmp_path, tasks) -> tuple[Task, Task]:
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    steps = ("train.steps=150", "checkpoint={dir: ck, every_steps: 1000}")
+    tasks(tmp_path, cluster, "ps", 0, 5, *steps)
+    chief = tasks(tmp_path, cluster, "worker", 0, 5, *steps, "--json", "chief.json")
+    worker = tasks(tmp_path, cluster, "worker", 1, 5, *steps)
+    worker.wait_for(worker.trained, "training step")
+    worker.process.send_signal(signal.SIGSTOP)  # its connection stays open: no ps sees it go
+    chief.wait_for(lambda: _last_step(chief) == 150, "the chief's last step")
+    time.sleep(1)  # waiting by now
+    return chief, worker
+
+
+def _last_step(task: Task) -> int:
+    lines = task.metrics.read_text().splitlines() if task.trained() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except ValueError:  # a line being written
+        return 0
+
+
+@pytest.mark.timeout(240)
+def test_the_chief_counts_a_silent_worker_lost_after_timeout_s(tmp_path, tasks):
+    chief, worker = _chief_waiting_for_a_stopped_worker(tmp_path, tasks)
+    code = chief.finish(timeout=90)  # it waited 600 s in silence
+    assert code == 0, chief.text()
+    result = json.loads((tmp_path / "chief.json").read_text())
+    assert result["status"] == "completed" and result["cluster"]["lost_workers"] == ["worker:1"]
+    assert result["checkpoint"]["last"].endswith("ckpt-00000150.pt")
+    assert "waiting for worker:1 to finish" in chief.text()
+    assert "lost worker:1" in chief.text() and "neither pushed an update nor finished for " \
+        "5 s" in " ".join(chief.text().split()), chief.text()
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_the_chief_waits_for_a_silent_worker_saves_and_exits_143(tmp_path,
+                                                                               tasks):
+    chief, worker = _chief_waiting_for_a_stopped_worker(tmp_path, tasks)
+    chief.process.send_signal(signal.SIGTERM)
+    code = chief.finish(timeout=60)  # deaf, it waited on
+    assert code == 143, chief.text()
+    result = json.loads((tmp_path / "chief.json").read_text())
+    assert result["status"] == "interrupted" and result["signal"] == "SIGTERM"
+    assert result["checkpoint"]["last"].endswith("ckpt-00000150.pt")
+    assert "stopped waiting for the other workers" in chief.text()
+
+
+# -- 6. a task started twice ---------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_second_process_started_as_the_same_worker_is_refused(tmp_path, tasks):
+    ports = free_ports(3)
+    cluster = loopback(ports, 2)
+    ps = tasks(tmp_path, cluster, "ps", 0, 30)
+    chief = tasks(tmp_path, cluster, "worker", 0, 30)
+    worker = tasks(tmp_path, cluster, "worker", 1, 30)
+    worker.wait_for(worker.trained, "training step")
+    (tmp_path / "twin").mkdir()
+    twin = tasks(tmp_path / "twin", cluster, "worker", 1, 30)
+    code = twin.finish(timeout=90)  # it trained beside the first, counted as one worker
+    assert code == 1, twin.text()
+    assert "worker:1 is already running in this job: another process was started as " \
+           "worker:1 and trains; start each task once" in " ".join(twin.text().split())
+    assert not twin.trained() and "Traceback" not in twin.text()
+    time.sleep(1)
+    for task in (chief, worker, ps):
+        task.process.send_signal(signal.SIGTERM)
+    assert chief.finish(timeout=60) == 143, chief.text()
+    assert "lost worker:1" not in chief.text()  # the refused process never joined
+
+
+# -- 7. a ps that goes silent mid-run ------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_second_sigterm_is_heard_while_a_push_waits_for_a_silent_ps(tmp_path, tasks):
+    ports = free_ports(2)
+    cluster = loopback(ports, 1)
+    ps = tasks(tmp_path, cluster, "ps", 0, 60)
+    chief = tasks(tmp_path, cluster, "worker", 0, 60)
+    chief.wait_for(lambda: _last_step(chief) >= 20, "training steps")
+    ps.process.send_signal(signal.SIGSTOP)  # silent, its connections open
+    time.sleep(1)  # the chief waits in a push by now
+    chief.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    chief.process.send_signal(signal.SIGTERM)
+    code = chief.finish(timeout=20)  # deaf in gloo's wait, it waited out its 60 s
+    assert code == 143, chief.text()
+    assert "aborted (second SIGTERM)" in chief.text()
+
+
+@pytest.mark.timeout(240)
+def test_a_silent_ps_ends_a_worker_within_timeout_s_naming_it(tmp_path, tasks):
+    ports = free_ports(2)
+    cluster = loopback(ports, 1)
+    ps = tasks(tmp_path, cluster, "ps", 0, 3)
+    chief = tasks(tmp_path, cluster, "worker", 0, 3)
+    chief.wait_for(lambda: _last_step(chief) >= 20, "training steps")
+    ps.process.send_signal(signal.SIGSTOP)
+    code = chief.finish(timeout=60)
+    assert code == 1, chief.text()
+    # a push, or the step's count in the store (on ps:0 too): whichever waits first
+    assert re.search(rf"parameter server ps:0 \(127\.0\.0\.1:{ports[1]}\)(, which holds "
+                     r"the job's store,)? did not answer within 3 s \(strategy\.timeout_s\)",
+                     " ".join(chief.text().split())), chief.text()
+
+
+@pytest.mark.timeout(240)
+def test_a_second_process_started_as_the_same_ps_is_refused(tmp_path, tasks):
+    ports = free_ports(4)
+    cluster = {"worker": [f"127.0.0.1:{ports[0]}"],
+               "ps": [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}"]}
+    tasks(tmp_path, cluster, "ps", 0, 30)
+    tasks(tmp_path, cluster, "ps", 1, 30)
+    chief = tasks(tmp_path, cluster, "worker", 0, 30)
+    chief.wait_for(chief.trained, "training step")
+    (tmp_path / "twin").mkdir()
+    twin = tasks(tmp_path / "twin", cluster, "ps", 1, 30)
+    code = twin.finish(timeout=90)  # it served beside the first until the job ended
+    assert code == 1, twin.text()
+    assert "ps:1 is already running in this job: another process was started as ps:1; " \
+           "start each task once" in " ".join(twin.text().split())
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_finished_or_runs_is_not_played_again():
+    """Through the library: a second client as worker:1 is refused while the first runs
+    (after min(CLAIM_GRACE_S, timeout)), and once the first finished."""
+    from csrun.core.cluster.transport import DuplicateTask
+    port = free_ports(1)[0]
+    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": [f"127.0.0.1:{port}"]}
+    server = ParameterServer(SimpleClusterResolver(spec, "ps", 0), timeout=30)
+    stop = threading.Event()
+    threading.Thread(target=server.serve, kwargs={"stop": stop, "grace": 0},
+                     daemon=True).start()
+    first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
+    with pytest.raises(DuplicateTask, match="worker:1 is already running in this job"):
+        ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
+    first.finish()  # its goodbye: the ps marks worker:1 finished
+    deadline = time.monotonic() + 30
+    while True:  # "already running" until the ps has read the goodbye
+        with pytest.raises(DuplicateTask) as refused:
+            ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
+        if "worker:1 already did its part of this job" in str(refused.value):
+            break
+        assert time.monotonic() < deadline, refused.value
+    stop.set()

@@ -172,3 +172,18 @@ def test_sigterm_stops_every_task_cleanly_and_resume_goes_on(launched, tmp_path)
     assert chief["cluster"]["global_step"] == applied + 40  # restored, then 2 x 20 steps
     assert f"[worker:0] note: resumed from step {saved}" in job.output()
     assert f"[worker:1] note: starting at the chief's step {saved}" in job.output()
+
+
+@pytest.mark.timeout(240)
+def test_a_second_sigterm_aborts_the_job_with_143(launched, tmp_path):
+    # it was reported as a second Ctrl-C: status aborted, exit 130
+    job = launched("--workers", "1", "--ps", "1", "train.steps=100000")
+    job.wait_for(lambda: job.log_has("worker:0", "step 10/"), "progress of worker:0")
+    job.process.send_signal(signal.SIGTERM)
+    time.sleep(0.1)  # the tasks take longer than this to save and stop
+    job.process.send_signal(signal.SIGTERM)
+    code, result = job.finish()
+    assert code == 143, job.output()
+    assert (result["status"], result["signal"], result["exit_code"]) == \
+        ("aborted", "SIGTERM", 143)
+    assert "Traceback" not in job.output()

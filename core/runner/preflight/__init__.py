@@ -31,7 +31,7 @@ from ...config.schema import RunConfig
 from ...data.imported import ImportedData
 from .cluster import cluster_problems
 from .data import check_data, check_distribution
-from .devices import check_devices, replica_count
+from .devices import check_devices, check_environment, replica_count
 from .model import check_model_on_data
 from .optimizer import check_optimizer
 from .outputs import (check_checkpoint_dir, check_outputs, check_outside, check_run_options,
@@ -39,6 +39,7 @@ from .outputs import (check_checkpoint_dir, check_outputs, check_outside, check_
 from .training import check_length, check_training
 
 __all__ = ["load_config", "load_config_text", "preflight", "replica_count", "check_devices",
+           "check_environment",
            "check_checkpoint_dir", "check_writable", "check_outputs", "check_outside",
            "check_run_options"]
 
@@ -64,7 +65,9 @@ def load_config_text(text: str, file: str | None = None, overrides: Sequence[str
 
 
 def _checks(environ: Mapping[str, str] | None):
-    return lambda sections: preflight(sections) + cluster_problems(sections, environ)
+    # a bad CSRUN_LOGICAL_CPUS is the only problem told: every device check needs it
+    return lambda sections: check_environment() or (preflight(sections) +
+                                                    cluster_problems(sections, environ))
 
 
 def preflight(sections: dict[str, Any]) -> list[Problem]:

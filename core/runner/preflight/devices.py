@@ -1,13 +1,28 @@
 """The ``strategy`` section's devices on this machine: each parses, exists here, and no
-compute device repeats; how many replicas the section makes."""
+compute device repeats; how many replicas the section makes; the environment variable
+that says how many logical CPUs there are."""
 
 from __future__ import annotations
 
 from ...config.problems import Problem
 from ...distribute.devices import (DeviceError, LogicalDevice, default_compute_devices,
-                                   resolve_device)
+                                   logical_cpu_count, resolve_device)
 
-__all__ = ["check_devices", "replica_count", "compute_devices", "gib"]
+__all__ = ["check_devices", "check_environment", "replica_count", "compute_devices", "gib",
+           "ENVIRONMENT_ORIGIN"]
+
+ENVIRONMENT_ORIGIN = "environment"  # a problem's origin: ``environment CSRUN_LOGICAL_CPUS``
+
+
+def check_environment() -> list[Problem]:
+    """``CSRUN_LOGICAL_CPUS``, which every device check reads: a problem naming it when it
+    is not a count csrun accepts (then no device can be checked)."""
+    try:
+        logical_cpu_count()
+    except DeviceError as exc:
+        return [Problem("", exc.message, exc.hint,
+                        origin=f"{ENVIRONMENT_ORIGIN} CSRUN_LOGICAL_CPUS")]
+    return []
 
 
 def replica_count(strategy) -> int:

@@ -1,0 +1,78 @@
+"""The cluster transport's waits, in one process: a call given up on is counted while it
+is still in native code (the CLI then leaves by ``os._exit``: a daemon thread returning
+from torch's C++ while the interpreter finalizes aborted the process, exit 134), and an
+unreachable store is told from a frozen one."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from csrun.core.cluster.transport import (ParameterServerError, bounded, calls_running,
+                                          unreachable)
+from csrun.core.runner.launch import free_ports
+
+
+def test_a_call_given_up_on_counts_as_running_until_it_returns():
+    before, release = calls_running(), threading.Event()
+    with pytest.raises(ParameterServerError, match="a test call did not answer within 0.2 s"):
+        bounded(release.wait, 0.2, "a test call")
+    assert calls_running() == before + 1
+    release.set()
+    deadline = time.monotonic() + 10
+    while calls_running() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls_running() == before
+
+
+@contextlib.contextmanager
+def _listening(answer):
+    """A server on a free port that calls ``answer(connection)`` for each connection."""
+    server = socket.create_server(("127.0.0.1", free_ports(1)[0]))
+    held = []
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = server.accept()
+                held.append(connection)
+                answer(connection)
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
+
+
+def _reset(connection):
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        connection.recv(10)
+    connection.close()
+
+
+def test_nothing_listening_is_connection_refused():
+    assert "nothing accepts connections there (connection refused)" in \
+        unreachable("127.0.0.1", free_ports(1)[0])
+
+
+def test_a_program_that_resets_is_not_a_store():
+    with _listening(_reset) as port:
+        assert "accepts connections and closes them" in unreachable("127.0.0.1", port)
+
+
+def test_a_program_that_speaks_first_is_not_a_store():
+    with _listening(lambda connection: connection.sendall(b"SSH-2.0\r\n")) as port:
+        assert "answered what a store would not" in unreachable("127.0.0.1", port)
+
+
+def test_a_silent_peer_is_not_unreachable_but_frozen():
+    with _listening(lambda connection: None) as port:
+        assert unreachable("127.0.0.1", port) is None
