@@ -21,7 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.measure import Measurement
 from rich.cells import cell_len
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
@@ -32,7 +32,7 @@ from csrun.core.runner.events import (CheckpointSaved, Evaluated, Notice, RunRes
                                StepDone, StepLog)
 from csrun.core.runner.launch import (LaunchPlan, LaunchResult, TaskExited, TaskOutput, TaskStarted,
                                describe_exit)
-from csrun.core.config.problems import ConfigError
+from csrun.core.config.problems import ConfigError, printable
 from csrun.core.runner.metrics import OutputError
 
 from .lines import fits, keep, say, wrap
@@ -70,6 +70,13 @@ def write_json(path: str, data: dict[str, Any]) -> None:
         target.write_text(text + "\n", encoding="utf-8")
     except OSError as exc:
         raise OutputError.of("--json", path, exc) from None
+
+
+def escape(text: str) -> str:
+    """``text`` (something the user wrote, or named) as it is shown: characters a
+    terminal would act on escaped as values are (:func:`csrun.core.config.problems.
+    printable`; line breaks kept), and rich's markup taken literally."""
+    return escape_markup(printable(text, "\n\t"))
 
 
 def _jsonable(value: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .problems import ConfigError, Problem
+from .problems import ConfigError, Problem, printable
 from .safe_yaml import load_yaml
 
 __all__ = ["parse_override", "apply_overrides", "key_path"]
@@ -80,7 +80,7 @@ def _set_path(data: dict, path: tuple, value: Any) -> None:
     node: Any = data
     for depth, part in enumerate(path):
         last = depth == len(path) - 1
-        where = ".".join(str(p) for p in path[:depth]) or "the config"
+        where = printable(".".join(str(p) for p in path[:depth])) or "the config"
         if isinstance(node, list) and not isinstance(part, int):
             raise _override_error(path, f"{where} is a list; {part!r} is not an index",
                                   f"address its items by number, 0..{len(node)} "

@@ -10,7 +10,8 @@ import dataclasses
 import difflib
 from typing import Iterable
 
-__all__ = ["Problem", "ConfigError", "ConfigNotice", "did_you_mean", "closest", "clipped"]
+__all__ = ["Problem", "ConfigError", "ConfigNotice", "did_you_mean", "closest", "clipped",
+           "printable"]
 
 # How much of a user's text a message echoes: a 3000-character override or key must not
 # make a 3000-character error. Far above what csrun writes itself (a long path, a
@@ -22,6 +23,22 @@ CLIP = {"where": 400, "path": 200, "message": 1000, "hint": 1000}
 def clipped(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters, ending in ``…`` when it was longer."""
     return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def printable(text: str, keep: str = "") -> str:
+    """``text`` with each character a terminal would act on written as Python's ``repr``
+    writes it, the rule values are echoed by (``{value!r}``): ESC, CR and BEL as ``\\x1b``,
+    ``\\r``, ``\\x07``, a bidi override as ``\\u202e``. A key, a path or a name the user
+    wrote then cannot set the terminal's title, clear it or reorder what follows.
+
+    Args:
+      keep: characters left as they are (``"\\n\\t"`` for a message of several lines).
+
+    Example: ``printable("st\\x1b[2Jeps")`` is ``"st\\\\x1b[2Jeps"``.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
 @dataclasses.dataclass
@@ -55,9 +72,11 @@ class Problem:
         return self.file or ""
 
     def shown(self) -> dict[str, str]:
-        """``where``, ``path``, ``message`` and ``hint`` as a person reads them: clipped
-        to :data:`CLIP` (the JSON result keeps them whole)."""
-        return {name: clipped(getattr(self, name) or "", limit)
+        """``where``, ``path``, ``message`` and ``hint`` as a person reads them: each
+        character a terminal would act on escaped (:func:`printable`; a message keeps its
+        line breaks), then clipped to :data:`CLIP` (the JSON result keeps them whole)."""
+        return {name: clipped(printable(getattr(self, name) or "",
+                                        "\n\t" if name == "message" else ""), limit)
                 for name, limit in CLIP.items()}
 
     def __str__(self) -> str:

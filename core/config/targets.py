@@ -9,7 +9,7 @@ import inspect
 from typing import Any
 
 from .problems import ConfigError, Problem, did_you_mean
-from .user_code import ensure_cwd_importable, user_location
+from .user_code import ensure_cwd_importable, user_location, user_problem
 
 __all__ = ["import_object", "lookup_class", "parameters_hint"]
 
@@ -28,6 +28,9 @@ def import_object(target: str, field: str) -> Any:
     ensure_cwd_importable()
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:  # sys.exit/argparse at module level: the config names it
+        raise ConfigError([user_problem(field, f"importing module {module_name!r}", exc)]
+                          ) from None
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
         where = user_location(exc)  # an error inside the module, not a missing one
         raise ConfigError([Problem(field, f"cannot import module {module_name!r}: "

@@ -18,7 +18,7 @@ from .problems import Problem
 
 __all__ = ["UserCodeError", "user_code_error", "ensure_cwd_importable",
            "import_beside_config", "user_location",
-           "describe_failure", "user_problem"]
+           "describe_failure", "user_problem", "CHECKED_FAILURES"]
 
 # csrun itself (core/ and cli/, not its examples), and what Python and its installed
 # packages bring (torch, numpy, ...)
@@ -103,13 +103,27 @@ def user_location(exc: BaseException) -> str | None:
 
 
 def describe_failure(what: str, exc: BaseException) -> str:
-    """``"<what> failed: KeyError: 'x' (at pkg/data.py:12)"``."""
+    """``"<what> failed: KeyError: 'x' (at pkg/data.py:12)"``; for a SystemExit,
+    ``"<what> exited: sys.exit(2) (at ...)"``."""
     where = user_location(exc)
-    text = f"{what} failed: {type(exc).__name__}: {exc}"
+    if isinstance(exc, SystemExit):  # its str() is the bare code: "0", "" or the text
+        text = f"{what} exited: sys.exit({exc.code!r})"
+    else:
+        text = f"{what} failed: {type(exc).__name__}: {exc}"
     return text + (f" (at {where})" if where else "")
+
+
+# A call of user code while a config is checked (an import, a constructor, a dataset
+# factory): a SystemExit there (sys.exit, argparse) is the config's problem, exit 2, not
+# an end of csrun. During training the runner reports it as a failure instead.
+CHECKED_FAILURES = (Exception, SystemExit)
+_EXIT_HINT = ("only csrun ends a run: put the sys.exit() (or argparse call) under "
+              "`if __name__ == '__main__':`")
 
 
 def user_problem(field: str, what: str, exc: BaseException, hint: str | None = None
                  ) -> Problem:
     """A config problem at ``field`` for user code that raised ``exc``."""
+    if isinstance(exc, SystemExit):
+        hint = _EXIT_HINT
     return Problem(field, describe_failure(what, exc), hint)

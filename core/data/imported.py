@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from ..config.problems import ConfigError, Problem
 from ..config.targets import import_object
-from ..config.user_code import user_code_error, user_problem
+from ..config.user_code import CHECKED_FAILURES, user_code_error, user_problem
 from ..distribute.values import flatten
 
 __all__ = ["ImportedData", "load_imported", "Collate", "Guarded", "examples", "first_batch"]
@@ -71,7 +71,7 @@ def load_imported(source) -> ImportedData:
     factory = import_object(source.target, SOURCE)
     try:
         dataset = factory(**source.kwargs)
-    except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
+    except CHECKED_FAILURES as exc:  # noqa: BLE001 - the user's code may raise anything
         raise ConfigError([user_problem(SOURCE, f"{source.target}(**kwargs)", exc,
                                         "check dataset.source.kwargs")]) from None
     data = ImportedData(dataset, source.target)
@@ -84,7 +84,7 @@ def load_imported(source) -> ImportedData:
                                    "Dataset (with __len__) or IterableDataset")])
     try:
         size = len(dataset)
-    except Exception as exc:  # noqa: BLE001
+    except CHECKED_FAILURES as exc:  # noqa: BLE001
         raise ConfigError([user_problem(SOURCE, f"len() of {data.name}", exc)]) from None
     if size <= 0:
         raise ConfigError([Problem(SOURCE, f"{data.name} holds no examples")])
@@ -155,7 +155,7 @@ def first_batch(data: ImportedData, collate: Collate, count: int) -> Any:
             items = list(itertools.islice(examples(data), count))
         else:
             items = [Guarded(data)[i] for i in range(min(count, len(data)))]
-    except Exception as exc:  # noqa: BLE001
+    except CHECKED_FAILURES as exc:  # noqa: BLE001
         cause = exc.__cause__ or exc
         raise ConfigError([user_problem(SOURCE, f"reading the first examples of "
                                         f"{data.name}", cause)]) from None
@@ -165,7 +165,7 @@ def first_batch(data: ImportedData, collate: Collate, count: int) -> Any:
         batch = collate.load()(items)
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except CHECKED_FAILURES as exc:  # noqa: BLE001
         raise ConfigError([user_problem(COLLATE, f"{collate.target or 'default_collate'} "
                                         f"on the first {len(items)} examples", exc,
                                         None if collate.target else "write a collate "

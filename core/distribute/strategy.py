@@ -25,7 +25,7 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext)
-from .parameters import ParameterStore, module_calls, serve_while
+from .parameters import ParameterStore, note_compiler, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
@@ -474,7 +474,7 @@ class ParameterServerStrategyExtended:
         if streams is not None:
             self._start_streams(streams)
         snapshot = policy.before_run()
-        module_calls.acquire()  # modules built outside the scope are adopted at first call
+        note_compiler()  # a compiled model built outside the scope is adopted whole
         try:
             outputs = run.execute()
             if streams is not None:
@@ -484,7 +484,6 @@ class ParameterServerStrategyExtended:
             self._store.discard_run(servings)
             raise
         finally:
-            module_calls.release()
             run.release()
         policy.after_run(snapshot, run.durations)
         self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it

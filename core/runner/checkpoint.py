@@ -20,8 +20,8 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import stat
-import tempfile
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ _TEMP = re.compile(r"^\.ckpt-\d{8,}\.(pt|json)\..*\.tmp$")
 
 def write_atomic(path: pathlib.Path, write) -> None:
     """Call ``write(file)`` on a temp file beside ``path``, fsync it, rename it over."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_file(path)
     try:
         with os.fdopen(fd, "wb") as raw:
             f = _Recording(raw)
@@ -66,6 +66,21 @@ def write_atomic(path: pathlib.Path, write) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def _temp_file(path: pathlib.Path) -> tuple[int, str]:
+    """A new file ``.<name>.<random>.tmp`` beside ``path``, opened for writing, with the
+    mode every other output of csrun gets (0666 less the umask, applied by the kernel);
+    ``tempfile.mkstemp`` would make it 0600 whatever the umask says."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):  # as mkstemp: another name when one is taken
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {str(path)!r}")
 
 
 class _Recording:

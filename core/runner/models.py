@@ -23,7 +23,7 @@ from torch import nn
 from ..config.targets import import_object
 from ..config.schema import ModelConfig
 from ..config.problems import ConfigError, Problem
-from ..config.user_code import user_problem
+from ..config.user_code import CHECKED_FAILURES, user_problem
 
 
 __all__ = ["build_model", "resolve_loss", "make_loss", "check_model", "count_parameters",
@@ -91,7 +91,7 @@ def _imported(config) -> nn.Module:
     except TypeError as exc:
         raise ConfigError([Problem("model.kwargs", f"{config.target}(**kwargs) failed: {exc}",
                                    "check the constructor's parameter names")]) from None
-    except Exception as exc:  # noqa: BLE001 - the user's constructor may raise anything
+    except CHECKED_FAILURES as exc:  # noqa: BLE001 - the user's constructor may raise anything
         raise ConfigError([user_problem("model.target", f"{config.target}(**kwargs)",
                                         exc)]) from None
     if not isinstance(model, nn.Module):
@@ -126,7 +126,7 @@ def check_model(config: "ModelConfig", feature_shape: tuple, outputs: int,
             out = model(torch.empty((2, *feature_shape)))
     except ConfigError as exc:
         return exc.problems
-    except Exception as exc:  # noqa: BLE001 - a user model may raise anything
+    except CHECKED_FAILURES as exc:  # noqa: BLE001 - a user model may raise anything
         return [Problem("model", f"the model fails on a batch of shape "
                         f"{[2, *feature_shape]}: {type(exc).__name__}: {exc}",
                         "check the model against the dataset's feature shape")]

@@ -19,6 +19,7 @@ import torch
 from ..config.problems import ConfigError, Problem, did_you_mean
 from ..config.schema import OptimizerConfig
 from ..config.targets import import_object, lookup_class, parameters_hint
+from ..config.user_code import CHECKED_FAILURES, user_problem
 from .schedules import build_schedule
 
 __all__ = ["optimizer_names", "optimizer_class", "param_groups", "unmatched_groups",
@@ -89,6 +90,10 @@ def build_optimizer(config: "OptimizerConfig", params: Iterable) -> torch.optim.
             else "optimizer.kwargs"
         raise ConfigError([Problem(field, f"{cls.__name__}: {exc}",
                                    parameters_hint(cls, {"params", "lr"}))]) from None
+    except CHECKED_FAILURES as exc:  # noqa: BLE001 - a user's class may raise anything
+        field = "optimizer.target" if config.target else "optimizer.kwargs"
+        raise ConfigError([user_problem(field, f"{config.target or cls.__name__}(params, "
+                                        "lr, **kwargs)", exc)]) from None
     _check_group_options(config, optimizer)
     return optimizer
 

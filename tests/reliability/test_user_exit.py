@@ -1,6 +1,7 @@
 """``sys.exit`` in user code (round 2, item 3): at the import of a model or map module,
 or inside a replica, it ended the run with exit 0, no message and no ``--json``. Only
-csrun decides a run's exit code: any other exit is a failure (exit 1), named."""
+csrun decides a run's exit code: an exit during training is a failure (exit 1), named;
+one at import is the config's problem (exit 2, round 3: tests/cli/test_user_exit_at_check.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ class Model(nn.Module):
         self.layer = nn.Linear(6, 3)
 
     def forward(self, x):
-        if os.environ.get("EXIT_AT") == "replica":
+        # in training, not in the config check's run on the meta device (an exit there
+        # is a config problem)
+        if os.environ.get("EXIT_AT") == "replica" and x.device.type != "meta":
             raise SystemExit(0)  # as sys.exit(0), or argparse's exit, would
         return self.layer(x)
 
@@ -55,9 +58,14 @@ def test_an_exit_in_user_code_is_a_failure(where, csrun, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     env["EXIT_AT"] = where
     done = csrun("train", config, "--json", "out.json", env=env, timeout=120)
-    assert done.returncode == 1, (done.returncode, done.stderr)
-    assert "SystemExit" in done.stderr and "exited" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     result = json.loads((tmp_path / "out.json").read_text())
+    if where == "import":
+        assert done.returncode == 2, (done.returncode, done.stderr)
+        assert "importing module 'user_code' exited: sys.exit(0)" in done.stderr
+        assert result["status"] == "invalid" and result["exit_code"] == 2
+        return
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "SystemExit" in done.stderr and "exited" in done.stderr, done.stderr
     assert result["status"] == "failed" and result["exit_code"] == 1
     assert "SystemExit" in result["error"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...config.problems import ConfigError, ConfigNotice, Problem
-from ...config.user_code import UserCodeError, describe_failure
+from ...config.user_code import CHECKED_FAILURES, UserCodeError, user_problem
 from ...data.imported import Collate, ImportedData, first_batch
 from ...distribute.device_lib import memory_bytes
 from ...distribute.devices import default_compute_devices, default_parameter_device, resolve_device
@@ -75,7 +75,7 @@ def check_fit(config, data, sample: Any) -> list[Problem]:
         if exc.__cause__ is None:  # a wrong shape: as wrong on CPU
             return [_problem(exc)]
         reason = str(exc.__cause__)
-    except Exception as exc:  # noqa: BLE001 - a user's model may raise anything on meta
+    except CHECKED_FAILURES as exc:  # noqa: BLE001 - a user's model may raise anything on meta
         reason = f"{type(exc).__name__}: {exc}"
     return _check_on_cpu(config, data, sample, reason)
 
@@ -121,9 +121,8 @@ def _check_on_cpu(config, data, sample: Any, reason: str) -> list[Problem]:
         return exc.problems
     except UserCodeError as exc:
         return [_problem(exc)]
-    except Exception as exc:  # noqa: BLE001
-        return [Problem("model", describe_failure("the model on a real batch of 2 "
-                                                  "examples", exc))]
+    except CHECKED_FAILURES as exc:  # noqa: BLE001
+        return [user_problem("model", "the model on a real batch of 2 examples", exc)]
     warnings.warn(ConfigNotice(f"{note}; checked on CPU with one real batch of 2 examples "
                                "instead"), stacklevel=2)
     return []
