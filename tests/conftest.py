@@ -24,6 +24,9 @@ Fixtures:
     a DistributedValues) element by element.
 ``spec_string``
     renders csrun's ``element_spec`` the way TF prints specs, to compare with the golden.
+``work_clock``
+    replicas are timed by a :class:`~tests.helpers.work_clock.WorkClock` (``work_clock.work(s)``
+    in a replica), not by the machine's clock, which a loaded machine stretches.
 ``big_cpu_index``
     a logical CPU index that does not exist (logical CPUs: ``max(8, os.cpu_count())``).
 ``tiny``
@@ -41,6 +44,7 @@ import pytest
 import csrun.core as cs
 from tests.helpers import golden as recorded
 from tests.helpers import process_starts
+from tests.helpers import work_clock as clocks
 from tests.helpers.cli import child_env, csrun_command
 from tests.helpers.tiny_config import TINY
 
@@ -85,6 +89,11 @@ def expect_golden():
 @pytest.fixture
 def spec_string():
     return recorded.tf_spec_string
+
+
+@pytest.fixture
+def work_clock(monkeypatch):
+    return clocks.install(monkeypatch)
 
 
 @pytest.fixture

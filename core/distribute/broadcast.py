@@ -95,12 +95,15 @@ class DeviceMirror:
         and the one after user code ran in ``merge_call``, copy everything (as
         ``DataParallel`` copies on every forward).
         """
-        if store.generation != self._generation or self._layout_changed():
+        # read before the tensors: one registered meanwhile by a replica adopting a
+        # module (a run's middle) is then missed once, and found by the next refresh
+        generation = store.generation
+        if generation != self._generation or self._layout_changed():
             if reset_grads or self._layout_changed():
                 self._build(store.tensors())
             else:  # tensors registered during a run: the leaves served so far stay valid
                 self._extend(store.tensors())
-            self._generation = store.generation
+            self._generation = generation
         for group in self._groups:
             group.refresh(force)
             if reset_grads:
@@ -111,9 +114,10 @@ class DeviceMirror:
         """Lay out the flat buffers and leaves for tensors registered since (a first
         read inside ``torch.func.vmap`` cannot make a leaf there); the values come with
         the run's first :meth:`refresh`."""
-        if store.generation != self._generation:
+        generation = store.generation  # before the tensors, as in refresh
+        if generation != self._generation:
             self._build(store.tensors())
-            self._generation = store.generation
+            self._generation = generation
 
     def _layout_changed(self) -> bool:
         """A central tensor changed dtype or size (e.g. ``model.double()``)."""

@@ -284,16 +284,19 @@ class ParameterStore:
 
     # -- registration --------------------------------------------------------------------
     def adopt(self, module: torch.nn.Module) -> None:
-        """Serve ``module``'s parameters and buffers to replicas from now on."""
+        """Serve ``module``'s parameters and buffers to replicas from now on.
+
+        The served dicts come last: a replica that finds them skips
+        :meth:`adopt_in_use` and reads the tensors at once, so they must be tracked."""
+        for value in dict.values(tensor_dict(module, "parameter") or {}):
+            if value is not None:
+                self.register_tensor(value)
         for kind in _KINDS:
             current = tensor_dict(module, kind)
             if current is None or (isinstance(current, ServedDict) and current.store is self):
                 continue
             set_tensor_dict(module, kind, ServedDict(dict(current), self, module, kind))
             self._adopted.add(module)
-        for value in dict.values(tensor_dict(module, "parameter")):
-            if value is not None:
-                self.register_tensor(value)
 
     def adopt_in_use(self, module: torch.nn.Module) -> None:
         """``module`` was called inside one of this store's replicas, but it (or a module
@@ -301,7 +304,8 @@ class ParameterStore:
         it had been built there (parameters central, buffers per replica, BatchNorm
         synchronized). Its tensors stay the same objects (an optimizer made before keeps
         working). Every replica's first call of it comes here before the module runs, so
-        none reads it unserved; the lock lets one adopt and the others find it done.
+        none reads it unserved; the lock lets one adopt and the others find it done. A
+        replica that finds the served dicts does not come here: they are set last.
 
         Raises:
           RuntimeError: naming the module, when it lives on another device than the
@@ -335,8 +339,8 @@ class ParameterStore:
                     f"{tensor.device}, but the strategy keeps parameters on "
                     f"{self.parameter_device.short_name}; build (or load) it inside "
                     "`with strategy.scope():`, which places it there")
+        sync_batch_norm.install(module)  # before adopt serves it: see adopt_in_use
         self.adopt(module)
-        sync_batch_norm.install(module)
 
     def release_modules(self) -> None:
         """Give the modules this store adopted their plain dicts and their class's

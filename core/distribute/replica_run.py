@@ -44,6 +44,8 @@ _FINAL = frozenset({"done", "failed", "aborted", "skipped"})
 _any_autocast_enabled = torch_internals.any_autocast_enabled
 _InferenceMode = torch_internals.InferenceMode
 _set_grad_enabled = torch_internals.set_grad_enabled
+# what a replica's body is timed by, for ExecutionPolicy (tests give replicas exact work)
+_clock = time.perf_counter
 
 
 class ReplicaAborted(BaseException):
@@ -314,7 +316,7 @@ class ReplicaRun:
             threads = self.threads[replica_id] or caller_threads
             if threads and torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-        begin = time.perf_counter()
+        begin = _clock()
         body = self.body
         random = self.random[replica_id] if self.random is not None else None
         if random is not None:
@@ -324,7 +326,7 @@ class ReplicaRun:
                 output = self.thread_state.apply(lambda: body(self, replica_id))
             else:
                 output = body(self, replica_id)
-            self.durations[replica_id] = time.perf_counter() - begin
+            self.durations[replica_id] = _clock() - begin
         except ReplicaAborted:
             self._set_final(replica_id, "aborted")
         except BaseException as exc:  # noqa: BLE001 - every error must reach the caller
@@ -500,7 +502,9 @@ class ExecutionPolicy:
       whether they overlapped, so the policy may schedule by timing and results still
       repeat bit for bit. They run concurrently while each replica's work is long enough
       to pay for the thread handoffs (>= 250 µs a replica, back to ordered under 80 µs),
-      else in order on the caller's thread.
+      else in order on the caller's thread. A run's work counts as the lesser of its
+      own and the previous run's: one slow run (the first run's one-off costs, a thread
+      preempted on a loaded machine, a garbage collection) decides nothing.
     * Random numbers: with more than one CPU replica (in every mode) each draws from its
       own generator (:mod:`.replica_random`), seeded from one draw of the global one per
       run, so dropout repeats bit for bit, ordered or not. Ops that still draw from the
@@ -523,6 +527,7 @@ class ExecutionPolicy:
         self._shared_cpu = mode == "auto" and len(self._cpu) > 1
         self._draws = False  # replicas were seen drawing from the global generator
         self._work = None    # moving average of seconds per replica body
+        self._last = None    # the last run's seconds per replica body
         self._split = None   # (caller's threads, each replica's share)
         self._random = None  # each CPU replica's own random stream
         self._armed = True   # streams entered; off once a run shows the replicas never draw
@@ -590,7 +595,9 @@ class ExecutionPolicy:
             return global_state()
         if not self._shared_cpu or self._draws:
             return None
-        if self.state == "ordered" and (self._work or 0.0) < self.CONCURRENT_FROM / 2:
+        half = self.CONCURRENT_FROM / 2
+        if self.state == "ordered" and (self._work or 0.0) < half and \
+                (self._last or 0.0) < half:
             return None
         self._seed.watch = True  # tell the run seed's draw from the replicas' own
         return global_state()
@@ -608,10 +615,11 @@ class ExecutionPolicy:
         if self._draws or not durations:
             return
         work = sum(durations) / len(durations)
-        first = self._work is None
-        self._work = work if first else 0.8 * self._work + 0.2 * work
-        if first:
+        last, self._last = self._last, work
+        if last is None:
             return  # the first run pays one-off costs; decide on later ones
+        work = min(work, last)  # noise only adds: work that grew shows in two runs
+        self._work = work if self._work is None else 0.8 * self._work + 0.2 * work
         if self._work >= self.CONCURRENT_FROM:
             if snapshot is not None:  # watched, and the replicas drew nothing
                 self.state = "concurrent"

@@ -12,4 +12,5 @@
 ``replica_training`` a few SGD steps through a strategy, as bytes, to compare modes
 ``soak_checks``      what a soak samples and the limits it must stay within
 ``process_starts``   which processes a test starts (the fast suite starts none)
+``work_clock``       the clock replicas are timed by, moved only by their stated work
 """

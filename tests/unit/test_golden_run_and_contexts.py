@@ -17,8 +17,6 @@ with one replica run returns the value itself.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -180,10 +178,11 @@ def test_run_side_effect_order(golden, strategy):
     assert order == out["eager_two_runs"]
 
 
-def test_run_side_effect_order_by_default(golden, strategy):
+def test_run_side_effect_order_by_default(golden, strategy, work_clock):
     """By default quick replicas keep TF's order exactly. Deviation (docs/tf-parity.md):
     logical-CPU replicas with enough work each (>= 250 µs) run concurrently, so their
-    side effects may interleave -- each replica still runs exactly once per run."""
+    side effects may interleave -- each replica still runs exactly once per run. Their
+    work is the work_clock's: on a loaded machine real ones took longer, and switched."""
     out = golden["run_side_effect_order"]["outputs"]
     s = strategy(3)
     order = []
@@ -192,7 +191,7 @@ def test_run_side_effect_order_by_default(golden, strategy):
     assert order == out["eager_two_runs"] and s.extended.execution == "ordered"
 
     def slow():
-        time.sleep(0.002)  # enough work per replica to be worth running at once
+        work_clock.work(0.002)  # enough work per replica to be worth running at once
         order.append(_rid())
     order.clear()
     for _ in range(3):

@@ -38,6 +38,17 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt, as in a Python started from a terminal. A process
+    started in the background by a shell without job control (a CI runner's script,
+    ``cmd &``, ``nohup``) inherits SIGINT ignored, and Python keeps it so: the signal
+    these tests send would then be dropped and nothing raised."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @needs_team
 def test_replicas_run_as_the_team_and_add_no_thread(two_threads):
     strategy = _strategy()
@@ -124,7 +135,7 @@ def test_results_equal_worker_threads_bit_for_bit(two_threads, monkeypatch):
 
 @needs_team
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_the_team_runs_is_raised_after_it(two_threads):
+def test_ctrl_c_while_the_team_runs_is_raised_after_it(two_threads, ctrl_c_raises):
     # Sent from replica 1, so it lands in the caller at any point of member 0: inside
     # replica 0, in its wait, or as the member is entered (ctypes would print that one
     # and go on; the run then waited forever for a replica 0 that never ran). Repeated:
@@ -147,7 +158,8 @@ def test_ctrl_c_while_the_team_runs_is_raised_after_it(two_threads):
 
 @needs_team
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_replicas_beside_the_team_run_is_raised_after_them(two_threads):
+def test_ctrl_c_while_replicas_beside_the_team_run_is_raised_after_them(two_threads,
+                                                                         ctrl_c_raises):
     # 4 replicas on 2 threads: 0 and 1 are the region, 2 and 3 run on threads beside
     # it and are waited for in Python after the region ended. A Ctrl-C there escaped
     # while replica 3 still ran user code (found in review).

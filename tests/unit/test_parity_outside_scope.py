@@ -5,13 +5,16 @@ naming it when it cannot be (another device, another strategy)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import csrun.core as cs
-from csrun.core.distribute import parameters, torch_internals
+from csrun.core.distribute import context, parameters, torch_internals
+from csrun.core.distribute.broadcast import DeviceMirror
 
 TORCH_MODULE_CALL = nn.Module.__call__
 
@@ -151,3 +154,68 @@ def test_a_compiled_model_built_outside_is_served():
     strategy.run(lambda v: compiled(v).sum().backward(), args=(x,))
     assert int(model[1].num_batches_tracked) == 1
     assert isinstance(torch_internals.tensor_dicts(model[1])[1], parameters.ServedDict)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_replica_calling_a_module_that_another_is_adopting_waits_for_it(copy, monkeypatch):
+    """Concurrent replicas both make the first call of a module built outside: one adopts
+    it, and the other must not run it before it is served (its tensors tracked, BatchNorm
+    synchronized). The adopting replica holds still in the middle of adopting until the
+    other has called the module: the interleaving a loaded machine makes now and then."""
+    strategy = _strategy(2, execution="concurrent", copy_parameters=copy)
+    norm = nn.BatchNorm1d(4)
+    arrived, cond = {}, threading.Condition()
+
+    def arrive(how):
+        replica_id = cs.get_replica_context().replica_id_in_sync_group
+        with cond:
+            arrived.setdefault(replica_id, how)  # each replica's first call of norm
+            cond.notify_all()
+
+    adopt_in_use = parameters.ParameterStore.adopt_in_use
+    register_tensor = parameters.ParameterStore.register_tensor
+
+    def adopting(store, module):
+        arrive("waited for its adoption")
+        adopt_in_use(store, module)
+
+    def registering(store, tensor):
+        if context.current_serving() is not None:  # a replica adopting norm
+            with cond:  # a guard against a hang, not a timing: the other comes at once
+                assert cond.wait_for(lambda: len(arrived) == 2, timeout=60)
+        register_tensor(store, tensor)
+
+    monkeypatch.setattr(parameters.ParameterStore, "adopt_in_use", adopting)
+    monkeypatch.setattr(parameters.ParameterStore, "register_tensor", registering)
+    norm.register_forward_pre_hook(lambda module, args: arrive("ran it unserved"))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    strategy.run(lambda v: norm(v).sum(), args=(x,))
+    assert arrived == {0: "waited for its adoption", 1: "waited for its adoption"}
+    assert int(norm.num_batches_tracked) == 1
+    # synchronized: the variance of the global batch, x on each replica (a replica's own
+    # would differ)
+    torch.testing.assert_close(norm.running_var, 0.9 + 0.1 * torch.cat([x, x]).var(0))
+
+
+def test_a_mirror_finds_a_tensor_registered_while_it_was_laid_out(monkeypatch):
+    """A replica adopting a module registers its tensors at any moment, also while another
+    replica's mirror lists the store's tensors: that replica's next read of them (one
+    refresh when a tensor is missing) must find them."""
+    strategy = _strategy(2, copy_parameters=True)
+    store = strategy.extended.store
+    with strategy.scope():
+        nn.Linear(2, 2)
+    late = nn.Parameter(torch.arange(3.0))
+    listed = store.tensors
+
+    def listing():  # the other replica registers `late` just after the listing
+        tensors = listed()
+        if not store.owns(late):
+            store.register_tensor(late)
+        return tensors
+
+    monkeypatch.setattr(store, "tensors", listing)
+    mirror = DeviceMirror(torch.device("cpu"), torch.device("cpu"))
+    mirror.refresh(store, force=True)  # a run's first read
+    mirror.refresh(store, reset_grads=False)  # a read that missed refreshes once
+    assert torch.equal(mirror.leaf(late), late)
