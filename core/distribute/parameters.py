@@ -1004,8 +1004,9 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer):
 class _GlobalHooks:
     """torch's process-wide hooks, held while any strategy lives: the registration hooks
     that place what modules register in a scope, :func:`_module_call` in
-    ``Module.__call__``, and the check before every ``optimizer.step()``. torch calls them for every module and optimizer of the process,
-    so they are installed with the first strategy and removed with the last."""
+    ``Module.__call__``, and the check before every ``optimizer.step()``. torch calls
+    them for every module and optimizer of the process, so they are installed with the
+    first strategy and removed with the last."""
 
     def __init__(self):
         # reentrant: a collection on the holding thread may free a strategy, whose
