@@ -28,7 +28,8 @@ from typing import Iterator, Mapping
 from .resolvers import ClusterError, ClusterProblem, SimpleClusterResolver
 
 __all__ = ["TorchrunClusterResolver", "LauncherCluster", "launcher_cluster", "torchrun_cluster",
-           "slurm_cluster", "expand_hostlist", "PS_PORT_ENV", "TORCHRUN_VARS", "SLURM_VARS", "MAX_TASKS"]
+           "slurm_cluster", "expand_hostlist", "PS_PORT_ENV", "TORCHRUN_VARS", "SLURM_VARS",
+           "MAX_TASKS"]
 
 PS_PORT_ENV = "CSRUN_PS_PORT"
 # The most processes a launcher's variables may name: every count read from them (the
