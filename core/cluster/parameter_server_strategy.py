@@ -89,6 +89,12 @@ class RemoteParameterStore(ParameterStore):
         shards: list[list] = [[] for _ in range(self.client.num_ps)]
         for p in params:
             if p.grad is not None and p in self._ids:
+                if p.grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"variable {self._ids[p]} (shape {tuple(p.shape)}) has a sparse "
+                        "gradient (an nn.Embedding or EmbeddingBag with sparse=True); a "
+                        "parameter-server job pushes dense gradients only: build it with "
+                        "sparse=False, or use CentralStorageStrategy")
                 shards[self._owner[self._ids[p]]].append((self._ids[p], p.grad))
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.client.push_pull(shards, lrs, self._values_by_ps())

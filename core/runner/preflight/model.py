@@ -25,7 +25,7 @@ from ..models import build_model, check_model, model_bytes, resolve_loss
 from ..objectives import NamedLoss, is_loss_function, make_objective, not_a_tensor
 from .devices import gib
 
-__all__ = ["check_model_on_data", "check_fit", "check_model_memory"]
+__all__ = ["check_model_on_data", "check_fit", "check_model_memory", "check_sparse_in_ps"]
 
 
 def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
@@ -38,7 +38,8 @@ def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
             return exc.problems
     else:
         sample = (data.features[:2], data.targets[:2])
-    return check_fit(model, data, sample) or check_model_memory(model, data, strategy)
+    return check_fit(model, data, sample) or check_model_memory(model, data, strategy) or \
+        check_sparse_in_ps(model, data, strategy)
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
@@ -149,3 +150,25 @@ def check_model_memory(model, data, strategy) -> list[Problem]:
                     f"{device.short_name} (the data asks for {data.outputs} outputs)",
                     "make the model smaller (hidden, channels), or check the class "
                     "labels: the classes are the largest label + 1")]
+
+
+def check_sparse_in_ps(model, data, strategy) -> list[Problem]:
+    """A parameter-server job pushes dense gradients only: a module that makes sparse ones
+    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) is refused here
+    rather than failing at the first ``optimizer.step()`` in the transport."""
+    if strategy is None or strategy.kind != "parameter_server":
+        return []
+    try:
+        with torch.device("meta"):
+            built = build_model(model, data.feature_shape, data.outputs)
+    except Exception:  # noqa: BLE001 - check_fit reported why it does not build
+        return []
+    sparse = [name or type(m).__name__ for name, m in built.named_modules()
+              if getattr(m, "sparse", False) is True]
+    if not sparse:
+        return []
+    field = "model.kwargs" if model.kind == "import" else "model"
+    return [Problem(field, f"{', '.join(sparse[:3])} make sparse gradients (sparse=True), "
+                    "which a parameter-server job cannot push to its ps tasks yet",
+                    "build the embedding with sparse=False (its rows then travel dense), "
+                    "or train with strategy.kind: central_storage, which applies them")]
