@@ -166,6 +166,19 @@ class Collectives:
         return self._run.sync(replica_id, kind, payload, settled)
 
 
+def _backward_collectives(ctx) -> Collectives:
+    """Where a collective's backward meets the other replicas: the forward's run while it
+    lasts (``backward`` inside ``run``), else the run this backward itself runs in
+    (``DataParallel`` runs the replicas' backward as a run of its own)."""
+    replica = context.current_entry().replica
+    if replica is None:
+        return ctx.collectives
+    current = replica.run_collectives()
+    if current is None or current._run is ctx.collectives._run:
+        return ctx.collectives
+    return current
+
+
 class _AllReduce(torch.autograd.Function):
     """all_reduce whose gradient is the same all_reduce of the incoming gradients."""
 
@@ -176,7 +189,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = ctx.collectives.reduce_tensors(
+        reduced = _backward_collectives(ctx).reduce_tensors(
             ctx.replica_id, ctx.op, list(grads), "all_reduce (backward)")
         return (None, None, None, *reduced)
 
@@ -193,7 +206,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        summed = ctx.collectives.reduce_tensors(
+        summed = _backward_collectives(ctx).reduce_tensors(
             ctx.replica_id, ReduceOp.SUM, list(grads), "all_gather (backward)")
         pieces = [g.narrow(ctx.axis, off, size)
                   for g, off, size in zip(summed, ctx.offsets, ctx.sizes)]

@@ -488,7 +488,8 @@ class ParameterStore:
                 serving.check_no_override()
             if serving.copies:
                 serving.check_copies_unwritten()
-        self._last_read = [tuple(s.params) for s in servings]
+        if any(s.params for s in servings):  # not a run that only backpropagates
+            self._last_read = [tuple(s.params) for s in servings]
         for serving in servings:
             if serving.buffers:
                 self._aggregate_buffers(servings)

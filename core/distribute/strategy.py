@@ -456,15 +456,41 @@ class ParameterServerStrategyExtended:
             raise RuntimeError("strategy.run cannot be nested: this strategy is already "
                                "running (e.g. run called inside merge_call's merge_fn)")
         try:
-            return self._call(fn, args, kwargs)
+            count = self._num_local_replicas
+            outputs = self._call(fn, unstack(args, count),
+                                 unstack(kwargs, count) if kwargs else None)
+            self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
+            return regroup(outputs)
         finally:
             self._run_lock.release()
 
-    def _call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def call_for_each_replica_split(self, fn: Callable, replica_args: list,
+                                    replica_kwargs: list | None = None) -> list:
+        """Call ``fn(*replica_args[r], **replica_kwargs[r])`` on every replica ``r``, as
+        ``run`` does, with arguments already split per replica; the outputs as a list in
+        replica order. Outputs are not watched for a later backward: the caller runs it
+        (``DataParallel``'s gather runs each replica's backward as a run of its own).
+
+        Raises:
+          ValueError: not one argument tuple (and kwargs dict) per replica.
+          RuntimeError: called while this strategy runs.
+        """
+        count = self._num_local_replicas
+        if len(replica_args) != count or (replica_kwargs is not None
+                                          and len(replica_kwargs) != count):
+            raise ValueError(f"call_for_each_replica_split needs the arguments of each of "
+                             f"the {count} replicas, got {len(replica_args)}")
+        if not self._run_lock.acquire(False):
+            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
+                               "running (e.g. run called inside merge_call's merge_fn)")
+        try:
+            return self._call(fn, list(replica_args), replica_kwargs)
+        finally:
+            self._run_lock.release()
+
+    def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None) -> list:
         # The hot path of every step: an empty run's cost is all Python bookkeeping here.
         count = self._num_local_replicas
-        replica_args = unstack(args, count)
-        replica_kwargs = unstack(kwargs, count) if kwargs else None
         servings = self._store.begin_run()
         policy = self._policy
         streams = self._replica_streams()
@@ -487,8 +513,7 @@ class ParameterServerStrategyExtended:
             module_calls.release()
             run.release()
         policy.after_run(snapshot, run.durations)
-        self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
-        return regroup(outputs)
+        return outputs
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:
         return Collectives(run, self._container, self._store.torch_devices,
