@@ -788,7 +788,10 @@ class ReplicaServing:
         key = (id(owner), name)  # dicts are unhashable; the entry keeps the owner alive
         entry = self.buffers.get(key)
         if entry is None:
-            copy = value.to(self.device, copy=True)
+            # never an inference tensor, even inside torch.inference_mode: those keep no
+            # version, which tells whether the replica wrote its copy
+            with torch.inference_mode(False):
+                copy = value.to(self.device, copy=True)
             entry = self.buffers[key] = [copy, tensor_version(copy), False, owner]
         return entry[0]
 
