@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import runpy
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -429,3 +431,13 @@ def test_a_module_on_several_devices_needs_a_parameter_device():
     module.register_buffer("meta", torch.empty(1, device="meta"))
     with pytest.raises(cs.DeviceError, match="several devices"):
         cs.DataParallel(module, device_ids=_devices(2))
+
+
+# -- the example ----------------------------------------------------------------------------
+def test_the_example_trains_both_models(capsys):
+    path = Path(__file__).resolve().parents[2] / "examples" / "data_parallel.py"
+    example = runpy.run_path(str(path))  # __name__ is not "__main__": nothing runs yet
+    results = example["main"](["--epochs", "1"])
+    assert set(results) == {"mlp", "hf_style"}
+    assert all(value > 0.5 for value in results.values())  # chance is 0.1
+    assert capsys.readouterr().out.count("held-out accuracy") == 2
