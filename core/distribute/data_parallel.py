@@ -19,7 +19,7 @@ import torch
 
 from .devices import (DeviceError, LogicalDevice, default_compute_devices,
                       default_parameter_device, parse_device, resolve_device, resolve_devices)
-from .scatter_gather import gather, scatter
+from .scatter_gather import gather, scatter, to_device
 from .strategy import CentralStorageStrategy
 
 __all__ = ["DataParallel"]
@@ -88,10 +88,9 @@ class DataParallel(torch.nn.Module):
         return self._strategy
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._direct:
+        if self._direct:  # as torch's with one device: the module, on the inputs moved
             device = self._devices[0]
-            args, kwargs, _ = scatter(inputs, kwargs, [device], self.dim)
-            return self.module(*args[0], **kwargs[0])
+            return self.module(*to_device(inputs, device), **to_device(kwargs, device))
         args, replica_kwargs, counts = scatter(inputs, kwargs, self._devices, self.dim)
         extended = self._strategy.extended
         outputs = extended.call_for_each_replica_split(self.module, args, replica_kwargs)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["split_sizes", "scatter", "gather"]
+__all__ = ["split_sizes", "scatter", "gather", "to_device"]
 
 # The input that makes the gathered tensors part of the caller's graph (they need one
 # that requires grad); its gradient is always None, so nothing accumulates in it.
@@ -57,6 +57,18 @@ def scatter(args: tuple, kwargs: dict, devices: list[torch.device],
         raise ValueError("DataParallel splits the tensors of its inputs along dim, but this "
                          "call has none; call .module(...) directly for work without a batch")
     return replica_args, replica_kwargs, counts
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor (through tuples, lists and dicts) moved to ``device``,
+    unsplit: one replica's call."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, Mapping):
+        return _rebuild_mapping(value, {k: to_device(v, device) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        return _rebuild_sequence(value, [to_device(v, device) for v in value])
+    return value
 
 
 def _scatter(value: Any, devices: list, dim: int, counts: list) -> list:

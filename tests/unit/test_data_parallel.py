@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import csrun.core as cs
+from csrun.core.distribute import scatter_gather
 
 STEPS = 8
 TOL = 1e-5
@@ -261,6 +262,11 @@ def test_dropout_masks_differ_between_replicas():
     assert not torch.equal(out[0], out[1])
 
 
+def test_one_replica_calls_the_module_itself_with_any_arguments():
+    model = cs.DataParallel(_Sum(), device_ids=["CPU:0"])
+    assert model(torch.tensor(2.0)).item() == 2.0  # a 0-dim input: nothing is split
+
+
 def test_dropout_on_one_replica_is_the_plain_module():
     x = torch.ones(6, 32)
     torch.manual_seed(3)
@@ -357,6 +363,7 @@ def test_parameters_and_optimizer_state_live_once_on_the_parameter_device():
     assert list(model.parameters()) == params  # the same tensors, updated in place
     assert [p.data_ptr() for p in params] == pointers
     assert model.strategy.extended.store.copies == [False, False]  # aliases, no copies
+    assert scatter_gather._ANCHOR.grad is None  # the gather's anchor gathers nothing
     assert all(len(opt.state[p]) == 3 for p in params)  # one Adam state per parameter
 
 
