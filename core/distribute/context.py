@@ -172,10 +172,6 @@ class ReplicaContext:
         """True when other replicas of this run meet this one at rendezvous."""
         return self._run is not None and self._run.num_replicas > 1
 
-    def run_collectives(self):
-        """The collectives of the run this replica belongs to (None: default context)."""
-        return self._run.collectives if self._run is not None else None
-
     def rendezvous(self, kind: str, payload: Any, merge: Callable[[list], list]) -> Any:
         """Meet the other replicas (``has_peers`` must be true); ``merge`` gets every
         replica's ``payload`` in replica order, runs once, and returns one result per

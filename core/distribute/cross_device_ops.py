@@ -168,15 +168,15 @@ class Collectives:
 
 def _backward_collectives(ctx) -> Collectives:
     """Where a collective's backward meets the other replicas: the forward's run while it
-    lasts (``backward`` inside ``run``), else the run this backward itself runs in
-    (``DataParallel`` runs the replicas' backward as a run of its own)."""
-    replica = context.current_entry().replica
-    if replica is None:
-        return ctx.collectives
-    current = replica.run_collectives()
-    if current is None or current._run is ctx.collectives._run:
-        return ctx.collectives
-    return current
+    lasts (``backward`` inside ``run``), else the strategy's run in progress, which this
+    backward is part of (``DataParallel`` runs the replicas' backward as a run of its
+    own). Not by the thread's replica context: a GPU replica's backward runs on
+    autograd's device thread, which has none."""
+    collectives = ctx.collectives
+    if not collectives._run.returned:
+        return collectives
+    current = collectives._strategy.extended.current_run
+    return collectives if current is None else current.collectives
 
 
 class _AllReduce(torch.autograd.Function):

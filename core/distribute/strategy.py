@@ -377,6 +377,7 @@ class ParameterServerStrategyExtended:
         self._streams = None
         self._has_gpu = any(d.is_gpu for d in compute)  # checked on every run
         self._run_lock = threading.Lock()
+        self._current_run = None  # the ReplicaRun in progress, for backwards that meet there
 
     @property
     def execution(self) -> str:
@@ -407,6 +408,12 @@ class ParameterServerStrategyExtended:
     @property
     def parameter_device(self) -> LogicalDevice:
         return self._parameter
+
+    @property
+    def current_run(self) -> ReplicaRun | None:
+        """The run in progress, if any: a collective's backward after its own run has
+        returned meets the other replicas there (``DataParallel``'s backward run)."""
+        return self._current_run
 
     # -- for the rest of the engine (input, context, variables, collectives) ------------
     @property
@@ -501,6 +508,7 @@ class ParameterServerStrategyExtended:
             self._start_streams(streams)
         snapshot = policy.before_run()
         module_calls.acquire()  # modules built outside the scope are adopted at first call
+        self._current_run = run
         try:
             outputs = run.execute()
             if streams is not None:
@@ -510,6 +518,7 @@ class ParameterServerStrategyExtended:
             self._store.discard_run(servings)
             raise
         finally:
+            self._current_run = None
             module_calls.release()
             run.release()
         policy.after_run(snapshot, run.durations)
