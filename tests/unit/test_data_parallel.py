@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import csrun.core as cs
 from csrun.core.distribute import scatter_gather
@@ -254,6 +255,30 @@ def test_dropout_draws_the_same_masks_as_strategy_run_and_repeats():
         torch.testing.assert_close(got[key], want[key], rtol=TOL, atol=1e-6)
     again = _dropout_train("dp")
     assert all(torch.equal(again[k], got[k]) for k in got)  # bit for bit
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        hidden = checkpoint(self.body, x, use_reentrant=False) if self.checkpointed \
+            else self.body(x)
+        return self.head(hidden)
+
+
+def test_gradient_checkpointing_recomputes_each_replicas_dropout_masks():
+    def grads(checkpointed):
+        torch.manual_seed(0)
+        model = cs.DataParallel(_Checkpointed(checkpointed), device_ids=_devices(2))
+        x, y = _batches(10)[0]
+        torch.manual_seed(5)
+        F.cross_entropy(model(x), y).backward()
+        return [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
 
 
 def test_dropout_masks_differ_between_replicas():
