@@ -13,6 +13,7 @@ the strategy's engine does all of that, as for ``strategy.run``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -121,13 +122,10 @@ def _spellings(device_ids: Any) -> Any:
     if isinstance(device_ids, (str, int, torch.device)):
         raise TypeError(f"device_ids must be a list of devices, got {device_ids!r}; "
                         f"did you mean [{device_ids!r}]?")
-    try:
-        return [_spelling(d) for d in device_ids]
-    except TypeError as exc:
-        if "iterable" in str(exc):
-            raise TypeError(f"device_ids must be a list of devices, got "
-                            f"{type(device_ids).__name__}") from None
-        raise
+    if not isinstance(device_ids, Iterable):
+        raise TypeError(f"device_ids must be a list of devices, got "
+                        f"{type(device_ids).__name__}")
+    return [_spelling(d) for d in device_ids]
 
 
 def _parameter_device(module: torch.nn.Module, spec: Any,

@@ -439,6 +439,10 @@ def test_a_second_backward_through_the_same_output_is_refused():
     ({"device_ids": ["CPU:0", "CPU:0"]}, cs.DeviceError, "twice"),
     ({"device_ids": ["TPU:0"]}, cs.DeviceError, "TPU"),
     ({"device_ids": []}, cs.DeviceError, "empty"),
+    ({"device_ids": 3.5}, TypeError, "list of devices"),
+    ({"device_ids": [True]}, TypeError, "a device must be"),
+    ({"device_ids": [0, 1]} if not torch.cuda.is_available() else {"device_ids": [99]},
+     cs.DeviceError, "GPU:"),  # ints are CUDA indices, as in torch
     ({"device_ids": _devices(2), "output_device": "XPU:0"}, cs.DeviceError, "XPU"),
 ])
 def test_bad_arguments_say_what_is_wrong(kwargs, error, match):
