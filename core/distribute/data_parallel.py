@@ -89,6 +89,13 @@ class DataParallel(torch.nn.Module):
         return self._strategy
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The module's output for the whole batch: the batch split along ``dim``, one
+        part per replica, their outputs gathered on ``output_device``.
+
+        Raises:
+          ValueError: no tensor input to split, an empty batch, or a tensor without
+            ``dim`` (see :func:`~.scatter_gather.scatter`).
+        """
         if self._direct:  # as torch's with one device: the module, on the inputs moved
             device = self._devices[0]
             return self.module(*to_device(inputs, device), **to_device(kwargs, device))
