@@ -157,9 +157,8 @@ def report(result: dict) -> str:
         lines.append(f"{name:<22}{entry['examples_per_s']:>12,.0f}"
                      f"{entry['ratio_vs_plain']:>9.3f}  {interval}")
     runs = result["variants"]
-    lines.append(f"data_parallel / strategy_run: "
-                 f"{runs['data_parallel']['examples_per_s'] / runs['strategy_run']['examples_per_s']:.3f}"
-                 " (of the median rates)")
+    ratio = runs["data_parallel"]["examples_per_s"] / runs["strategy_run"]["examples_per_s"]
+    lines.append(f"data_parallel / strategy_run: {ratio:.3f} (of the median rates)")
     lines.append(f"target data_parallel >= {DATA_PARALLEL_TARGET} x plain: "
                  f"{result['target']['verdict']}")
     lines += [f"not run: {k}: {why}" for k, why in result["not_run"].items()]
