@@ -4,7 +4,9 @@ Each collective is a rendezvous of :class:`~csrun.core.distribute.replica_run.Re
 replica hands in its value, the last one to arrive combines them on the parameter device,
 and each replica receives its own copy on its own device. ``all_reduce`` and
 ``all_gather`` are differentiable: their backward pass is itself a collective, so every
-replica that calls ``backward`` must do so (as with ``torch.distributed``).
+replica that calls ``backward`` must do so (as with ``torch.distributed``), inside the
+run, or in a later run of the same strategy that backpropagates the replicas' outputs
+(``DataParallel``'s backward run), where they meet in that run.
 """
 
 from __future__ import annotations
