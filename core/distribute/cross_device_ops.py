@@ -178,7 +178,13 @@ def _backward_collectives(ctx) -> Collectives:
     if not collectives._run.returned:
         return collectives
     current = collectives._strategy.extended.current_run
-    return collectives if current is None else current.collectives
+    if current is None:
+        raise RuntimeError(
+            "the backward of a collective (all_reduce, all_gather, synchronized BatchNorm) "
+            "reached after its run returned, outside any run: its replicas cannot meet. "
+            "Call backward inside the replica function, or wrap the model in "
+            "csrun.core.DataParallel, whose backward runs the replicas")
+    return current.collectives
 
 
 class _AllReduce(torch.autograd.Function):

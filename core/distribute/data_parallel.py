@@ -106,7 +106,8 @@ class DataParallel(torch.nn.Module):
 
     def _backward(self, pairs: list) -> None:
         """Each replica's backward ``pairs[r] = (tensors, grads)``, as one run."""
-        self._strategy.extended.call_for_each_replica_split(_replica_backward, pairs)
+        self._strategy.extended.call_for_each_replica_split(_replica_backward, pairs,
+                                                            backward=True)
 
     def extra_repr(self) -> str:
         return (f"device_ids={self.device_ids}, output_device={self.output_device}, "

@@ -425,12 +425,16 @@ class ParameterStore:
         return tensor.to(self._torch_param)
 
     # -- runs ----------------------------------------------------------------------------
-    def begin_run(self) -> list["ReplicaServing"]:
+    def begin_run(self, reads: bool = True) -> list["ReplicaServing"]:
+        """Each replica's serving for a new run; ``reads=False``: a run that only
+        backpropagates earlier outputs (nothing is served ahead of it)."""
         if _eager_serve is None:
             _prepare_for_compile()
         self.flush_pending()
         self._running = True
         servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        if not reads:
+            return servings
         if any(self.compiled_leaves):
             self._serve_compiled(servings)
         else:
@@ -481,14 +485,16 @@ class ParameterStore:
             for central in tensors:
                 leaves[id(central)] = serving._leaf(central)
 
-    def finish_run(self, servings: list["ReplicaServing"]) -> None:
-        """Sum the replicas' gradients into the central ones; combine written buffers."""
+    def finish_run(self, servings: list["ReplicaServing"], reads: bool = True) -> None:
+        """Sum the replicas' gradients into the central ones; combine written buffers.
+        ``reads=False``: a run that only backpropagated, whose reads (none) are not the
+        next run's to serve ahead."""
         for serving in servings:
             if serving.overrides:
                 serving.check_no_override()
             if serving.copies:
                 serving.check_copies_unwritten()
-        if any(s.params for s in servings):  # not a run that only backpropagates
+        if reads:
             self._last_read = [tuple(s.params) for s in servings]
         for serving in servings:
             if serving.buffers:

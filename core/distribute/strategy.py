@@ -472,11 +472,14 @@ class ParameterServerStrategyExtended:
             self._run_lock.release()
 
     def call_for_each_replica_split(self, fn: Callable, replica_args: list,
-                                    replica_kwargs: list | None = None) -> list:
+                                    replica_kwargs: list | None = None, *,
+                                    backward: bool = False) -> list:
         """Call ``fn(*replica_args[r], **replica_kwargs[r])`` on every replica ``r``, as
         ``run`` does, with arguments already split per replica; the outputs as a list in
         replica order. Outputs are not watched for a later backward: the caller runs it
-        (``DataParallel``'s gather runs each replica's backward as a run of its own).
+        (``DataParallel``'s gather runs each replica's backward as a run of its own,
+        ``backward=True``: it reads no parameters, so the next run is served what the
+        run before it read).
 
         Raises:
           ValueError: not one argument tuple (and kwargs dict) per replica.
@@ -491,14 +494,15 @@ class ParameterServerStrategyExtended:
             raise RuntimeError("strategy.run cannot be nested: this strategy is already "
                                "running (e.g. run called inside merge_call's merge_fn)")
         try:
-            return self._call(fn, list(replica_args), replica_kwargs)
+            return self._call(fn, list(replica_args), replica_kwargs, not backward)
         finally:
             self._run_lock.release()
 
-    def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None) -> list:
+    def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
+              reads: bool = True) -> list:
         # The hot path of every step: an empty run's cost is all Python bookkeeping here.
         count = self._num_local_replicas
-        servings = self._store.begin_run()
+        servings = self._store.begin_run(reads)
         policy = self._policy
         streams = self._replica_streams()
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
@@ -513,7 +517,7 @@ class ParameterServerStrategyExtended:
             outputs = run.execute()
             if streams is not None:
                 self._join_streams(streams)
-            self._store.finish_run(servings)
+            self._store.finish_run(servings, reads)
         except BaseException:
             self._store.discard_run(servings)
             raise

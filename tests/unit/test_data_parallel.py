@@ -389,6 +389,8 @@ def test_parameters_and_optimizer_state_live_once_on_the_parameter_device():
     assert [p.data_ptr() for p in params] == pointers
     assert model.strategy.extended.store.copies == [False, False]  # aliases, no copies
     assert scatter_gather._ANCHOR.grad is None  # the gather's anchor gathers nothing
+    # the backward run reads nothing: the next forward is served what the last one read
+    assert [len(ids) for ids in model.strategy.extended.store._last_read] == [6, 6]
     assert all(len(opt.state[p]) == 3 for p in params)  # one Adam state per parameter
 
 
@@ -477,3 +479,16 @@ def test_the_example_trains_both_models(capsys):
     assert set(results) == {"mlp", "hf_style"}
     assert all(value > 0.5 for value in results.values())  # chance is 0.1
     assert capsys.readouterr().out.count("held-out accuracy") == 2
+
+
+def test_a_collectives_backward_outside_any_run_says_how_to_get_one():
+    # strategy.run's outputs backpropagated in cross-replica context: the synchronized
+    # BatchNorm's replicas cannot meet there; DataParallel's backward is a run
+    strategy = cs.CentralStorageStrategy(_devices(2), "CPU:0")
+    with strategy.scope():
+        model = _make(_bn_mlp)
+    x = _batches(10)[0][0]
+    out = strategy.run(model, args=(cs.PerReplica([x[:5], x[5:]]),))
+    loss = sum(o.sum() for o in strategy.experimental_local_results(out))
+    with pytest.raises(RuntimeError, match="DataParallel"):
+        loss.backward()
