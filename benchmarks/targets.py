@@ -1,4 +1,4 @@
-"""Issues 4, 13, 14 and 26's targets, and how a noisy run's figures are judged against them.
+"""Issues 4, 13, 14, 25 and 26's targets, and how a noisy run's figures are judged against them.
 
 A median of paired ratios from one run moves by ±0.05 on a VM whose speed swings ~1.6x
 within seconds, so a bare median cannot say whether a target is met. Each median comes
@@ -24,6 +24,9 @@ OVERHEAD_TARGET_US = {"R2": 50.0}  # the most µs per empty step the issue allow
 TF_CSS_MLP_EXAMPLES_PER_S = 31_000
 # the user's plain loop after csrun ran in its process, against a process without csrun
 PLAIN_AFTER_CSRUN_TARGET = 0.97
+# issue 25: the plain loop through csrun.core.DataParallel on 2 logical CPU replicas /
+# plain PyTorch (MLP)
+DATA_PARALLEL_TARGET = 0.85
 # issue 13: the runner's step / the hand-written library loop's, for a user model
 RUNNER_OVERHEAD_TARGET = 1.05
 # a soak's step time late in the run / early after the warm-up, each in reference steps

@@ -28,8 +28,8 @@ from .cluster import (ClusterResolver, ClusterSpec, ParameterServerStrategy,
                       SimpleClusterResolver, TFConfigClusterResolver, TorchrunClusterResolver)
 from . import distribute
 from .distribute import (
-    CentralStorageStrategy, ParameterServerStrategyExtended, Strategy, StrategyOptions,
-    RunOptions, ReduceOp, ReplicaContext, get_strategy, has_strategy,
+    CentralStorageStrategy, DataParallel, ParameterServerStrategyExtended, Strategy,
+    StrategyOptions, RunOptions, ReduceOp, ReplicaContext, get_strategy, has_strategy,
     in_cross_replica_context, get_replica_context, get_cross_replica_context,
     DistributedValues, PerReplica, Mirrored, InputContext, InputOptions,
     InputReplicationMode, ValueContext, DistributedDataset, DistributedDatasetsFromFunction,

@@ -49,9 +49,9 @@ class RemoteParameterStore(ParameterStore):
         self._optimizer = None
         self.colocations: dict = {}   # tensor -> tensor whose ps it must share
 
-    def begin_run(self):
+    def begin_run(self, reads: bool = True):
         self.ensure_registered()
-        return super().begin_run()
+        return super().begin_run(reads)
 
     def ensure_registered(self) -> None:
         """Give every new variable an id and a ps; the first worker's values win."""

@@ -1,12 +1,13 @@
 """The engine: TF's distribution strategy API on torch tensors (the lowest layer).
 
 Strategy and context, distributed values and input, reduce and cross-device ops, the
-central parameter store, variables, replica execution, devices, and the coalesced device
-copies. It imports nothing from the other layers of ``csrun.core``.
+central parameter store, variables, replica execution, devices, the coalesced device
+copies, and DataParallel (torch's interface) with its scatter and gather. It imports nothing from the other layers of ``csrun.core``.
 """
 
 from .context import (ReplicaContext, get_cross_replica_context, has_strategy,
                       in_cross_replica_context)
+from .data_parallel import DataParallel
 from .devices import (DeviceError, LogicalDevice, canonical_name, local_devices,
                       logical_cpu_count, set_logical_cpu_count)
 from .losses import compute_average_loss
@@ -25,6 +26,7 @@ from .variables import Variable, VariableAggregation, VariableSynchronization
 __all__ = [
     "compute_average_loss",
     "CentralStorageStrategy",
+    "DataParallel",
     "ParameterServerStrategyExtended",
     "Strategy",
     "StrategyOptions",

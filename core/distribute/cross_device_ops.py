@@ -4,7 +4,9 @@ Each collective is a rendezvous of :class:`~csrun.core.distribute.replica_run.Re
 replica hands in its value, the last one to arrive combines them on the parameter device,
 and each replica receives its own copy on its own device. ``all_reduce`` and
 ``all_gather`` are differentiable: their backward pass is itself a collective, so every
-replica that calls ``backward`` must do so (as with ``torch.distributed``).
+replica that calls ``backward`` must do so (as with ``torch.distributed``), inside the
+run, or in a later run of the same strategy that backpropagates the replicas' outputs
+(``DataParallel``'s backward run), where they meet in that run.
 """
 
 from __future__ import annotations
@@ -166,6 +168,25 @@ class Collectives:
         return self._run.sync(replica_id, kind, payload, settled)
 
 
+def _backward_collectives(ctx) -> Collectives:
+    """Where a collective's backward meets the other replicas: the forward's run while it
+    lasts (``backward`` inside ``run``), else the strategy's run in progress, which this
+    backward is part of (``DataParallel`` runs the replicas' backward as a run of its
+    own). Not by the thread's replica context: a GPU replica's backward runs on
+    autograd's device thread, which has none."""
+    collectives = ctx.collectives
+    if not collectives._run.returned:
+        return collectives
+    current = collectives._strategy.extended.current_run
+    if current is None:
+        raise RuntimeError(
+            "the backward of a collective (all_reduce, all_gather, synchronized BatchNorm) "
+            "reached after its run returned, outside any run: its replicas cannot meet. "
+            "Call backward inside the replica function, or wrap the model in "
+            "csrun.core.DataParallel, whose backward runs the replicas")
+    return current.collectives
+
+
 class _AllReduce(torch.autograd.Function):
     """all_reduce whose gradient is the same all_reduce of the incoming gradients."""
 
@@ -176,7 +197,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = ctx.collectives.reduce_tensors(
+        reduced = _backward_collectives(ctx).reduce_tensors(
             ctx.replica_id, ctx.op, list(grads), "all_reduce (backward)")
         return (None, None, None, *reduced)
 
@@ -193,7 +214,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        summed = ctx.collectives.reduce_tensors(
+        summed = _backward_collectives(ctx).reduce_tensors(
             ctx.replica_id, ReduceOp.SUM, list(grads), "all_gather (backward)")
         pieces = [g.narrow(ctx.axis, off, size)
                   for g, off, size in zip(summed, ctx.offsets, ctx.sizes)]

@@ -429,12 +429,16 @@ class ParameterStore:
         return tensor.to(self._torch_param)
 
     # -- runs ----------------------------------------------------------------------------
-    def begin_run(self) -> list["ReplicaServing"]:
+    def begin_run(self, reads: bool = True) -> list["ReplicaServing"]:
+        """Each replica's serving for a new run; ``reads=False``: a run that only
+        backpropagates earlier outputs (nothing is served ahead of it)."""
         if _eager_serve is None:
             _prepare_for_compile()
         self.flush_pending()
         self._running = True
         servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        if not reads:
+            return servings
         if any(self.compiled_leaves):
             self._serve_compiled(servings)
         else:
@@ -485,14 +489,17 @@ class ParameterStore:
             for central in tensors:
                 leaves[id(central)] = serving._leaf(central)
 
-    def finish_run(self, servings: list["ReplicaServing"]) -> None:
-        """Sum the replicas' gradients into the central ones; combine written buffers."""
+    def finish_run(self, servings: list["ReplicaServing"], reads: bool = True) -> None:
+        """Sum the replicas' gradients into the central ones; combine written buffers.
+        ``reads=False``: a run that only backpropagated, whose reads (none) are not the
+        next run's to serve ahead."""
         for serving in servings:
             if serving.overrides:
                 serving.check_no_override()
             if serving.copies:
                 serving.check_copies_unwritten()
-        self._last_read = [tuple(s.params) for s in servings]
+        if reads:
+            self._last_read = [tuple(s.params) for s in servings]
         for serving in servings:
             if serving.buffers:
                 self._aggregate_buffers(servings)
@@ -791,7 +798,10 @@ class ReplicaServing:
         key = (id(owner), name)  # dicts are unhashable; the entry keeps the owner alive
         entry = self.buffers.get(key)
         if entry is None:
-            copy = value.to(self.device, copy=True)
+            # never an inference tensor, even inside torch.inference_mode: those keep no
+            # version, which tells whether the replica wrote its copy
+            with torch.inference_mode(False):
+                copy = value.to(self.device, copy=True)
             entry = self.buffers[key] = [copy, tensor_version(copy), False, owner]
         return entry[0]
 

@@ -220,6 +220,11 @@ class ReplicaRun:
         self._collectives = None
         self.make_collectives = _run_has_returned
 
+    @property
+    def returned(self) -> bool:
+        """Whether the run is over (:meth:`release` was called)."""
+        return self.body is None
+
     # -- running -------------------------------------------------------------------------
     def execute(self) -> list:
         """Run every replica; return their outputs in replica order or raise the first

@@ -377,6 +377,7 @@ class ParameterServerStrategyExtended:
         self._streams = None
         self._has_gpu = any(d.is_gpu for d in compute)  # checked on every run
         self._run_lock = threading.Lock()
+        self._current_run = None  # the ReplicaRun in progress, for backwards that meet there
 
     @property
     def execution(self) -> str:
@@ -407,6 +408,12 @@ class ParameterServerStrategyExtended:
     @property
     def parameter_device(self) -> LogicalDevice:
         return self._parameter
+
+    @property
+    def current_run(self) -> ReplicaRun | None:
+        """The run in progress, if any: a collective's backward after its own run has
+        returned meets the other replicas there (``DataParallel``'s backward run)."""
+        return self._current_run
 
     # -- for the rest of the engine (input, context, variables, collectives) ------------
     @property
@@ -456,16 +463,46 @@ class ParameterServerStrategyExtended:
             raise RuntimeError("strategy.run cannot be nested: this strategy is already "
                                "running (e.g. run called inside merge_call's merge_fn)")
         try:
-            return self._call(fn, args, kwargs)
+            count = self._num_local_replicas
+            outputs = self._call(fn, unstack(args, count),
+                                 unstack(kwargs, count) if kwargs else None)
+            self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
+            return regroup(outputs)
         finally:
             self._run_lock.release()
 
-    def _call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def call_for_each_replica_split(self, fn: Callable, replica_args: list,
+                                    replica_kwargs: list | None = None, *,
+                                    backward: bool = False) -> list:
+        """Call ``fn(*replica_args[r], **replica_kwargs[r])`` on every replica ``r``, as
+        ``run`` does, with arguments already split per replica; the outputs as a list in
+        replica order. Outputs are not watched for a later backward: the caller runs it
+        (``DataParallel``'s gather runs each replica's backward as a run of its own,
+        ``backward=True``: it reads no parameters, so the next run is served what the
+        run before it read).
+
+        Raises:
+          ValueError: not one argument tuple (and kwargs dict) per replica.
+          RuntimeError: called while this strategy runs.
+        """
+        count = self._num_local_replicas
+        if len(replica_args) != count or (replica_kwargs is not None
+                                          and len(replica_kwargs) != count):
+            raise ValueError(f"call_for_each_replica_split needs the arguments of each of "
+                             f"the {count} replicas, got {len(replica_args)}")
+        if not self._run_lock.acquire(False):
+            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
+                               "running (e.g. run called inside merge_call's merge_fn)")
+        try:
+            return self._call(fn, list(replica_args), replica_kwargs, not backward)
+        finally:
+            self._run_lock.release()
+
+    def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
+              reads: bool = True) -> list:
         # The hot path of every step: an empty run's cost is all Python bookkeeping here.
         count = self._num_local_replicas
-        replica_args = unstack(args, count)
-        replica_kwargs = unstack(kwargs, count) if kwargs else None
-        servings = self._store.begin_run()
+        servings = self._store.begin_run(reads)
         policy = self._policy
         streams = self._replica_streams()
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
@@ -475,19 +512,20 @@ class ParameterServerStrategyExtended:
             self._start_streams(streams)
         snapshot = policy.before_run()
         note_compiler()  # a compiled model built outside the scope is adopted whole
+        self._current_run = run
         try:
             outputs = run.execute()
             if streams is not None:
                 self._join_streams(streams)
-            self._store.finish_run(servings)
+            self._store.finish_run(servings, reads)
         except BaseException:
             self._store.discard_run(servings)
             raise
         finally:
+            self._current_run = None
             run.release()
         policy.after_run(snapshot, run.durations)
-        self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
-        return regroup(outputs)
+        return outputs
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:
         return Collectives(run, self._container, self._store.torch_devices,

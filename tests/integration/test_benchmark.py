@@ -127,3 +127,14 @@ def test_shipped_configs_benchmark_runs(tmp_path):
     assert row["config"] == "quickstart" and row["command"] == "train quickstart.yaml"
     assert row["seconds"] > 0 and result["target_s"] == 60.0
     assert "quickstart: " in out and "target < 60 s" in out
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_benchmark_runs(tmp_path):
+    """benchmarks/data_parallel.py (DataParallel vs plain, strategy.run, DDP) in a tiny
+    mode, so that it cannot rot."""
+    result, out = _benchmark(tmp_path, "data_parallel.py", "--rounds", "2", "--steps", "2")
+    assert {"plain", "data_parallel", "strategy_run", "ddp"} <= set(result["variants"])
+    assert all(v["examples_per_s"] > 0 for v in result["variants"].values())
+    assert result["target"]["data_parallel >="] == 0.85
+    assert "data_parallel / strategy_run" in out
