@@ -27,7 +27,7 @@ from ..config.user_code import CHECKED_FAILURES, user_problem
 
 
 __all__ = ["build_model", "resolve_loss", "make_loss", "check_model", "count_parameters",
-           "model_bytes", "LOSSES"]
+           "model_bytes", "tensor_bytes", "LOSSES"]
 
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 LOSSES = {
@@ -142,7 +142,11 @@ def model_bytes(config: "ModelConfig", feature_shape: tuple, outputs: int) -> in
     """Bytes of the model's parameters and buffers, measured on the meta device (nothing
     is allocated, so a model too big for any machine costs nothing to measure)."""
     with torch.device("meta"):
-        model = build_model(config, feature_shape, outputs)
+        return tensor_bytes(build_model(config, feature_shape, outputs))
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers (on any device, meta included)."""
     return sum(t.numel() * t.element_size()
                for t in itertools.chain(model.parameters(), model.buffers()))
 

@@ -21,7 +21,7 @@ from ...data.imported import Collate, ImportedData, first_batch
 from ...distribute.device_lib import memory_bytes
 from ...distribute.devices import default_compute_devices, default_parameter_device, resolve_device
 from ...distribute.values import map_structure
-from ..models import build_model, check_model, model_bytes, resolve_loss
+from ..models import build_model, check_model, model_bytes, resolve_loss, tensor_bytes
 from ..objectives import NamedLoss, is_loss_function, make_objective, not_a_tensor
 from .devices import gib
 
@@ -30,7 +30,7 @@ __all__ = ["check_model_on_data", "check_fit", "check_model_memory", "check_spar
 
 def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
     """The model and its loss on a real batch of 2 examples (on the meta device first),
-    then its memory on the parameter device."""
+    then its memory on the parameter device and, in a ps job, its sparse gradients."""
     if isinstance(data, ImportedData):
         try:
             sample = first_batch(data, Collate(dataset.collate), 2)
@@ -38,8 +38,13 @@ def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
             return exc.problems
     else:
         sample = (data.features[:2], data.targets[:2])
-    return check_fit(model, data, sample) or check_model_memory(model, data, strategy) or \
-        check_sparse_in_ps(model, data, strategy)
+    problems = check_fit(model, data, sample)
+    if problems or strategy is None:
+        return problems
+    with torch.device("meta"):  # built once for the checks that read its tensors
+        built = build_model(model, data.feature_shape, data.outputs)
+    return check_model_memory(model, built, data, strategy) or \
+        check_sparse_in_ps(model, built, strategy)
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
@@ -129,18 +134,16 @@ def _check_on_cpu(config, data, sample: Any, reason: str) -> list[Problem]:
     return []
 
 
-def check_model_memory(model, data, strategy) -> list[Problem]:
-    """The parameters and their gradients fit in the parameter device's memory: the
-    least central storage needs (an optimizer keeps more)."""
-    if strategy is None:
-        return []
+def check_model_memory(model, built: torch.nn.Module, data, strategy) -> list[Problem]:
+    """The parameters and their gradients of ``built`` (the ``model`` section's, on the
+    meta device) fit in the parameter device's memory: the least central storage needs
+    (an optimizer keeps more)."""
     try:
         device = resolve_device(strategy.parameter_device) if strategy.parameter_device \
             else default_parameter_device(default_compute_devices())[0]
     except ValueError:  # reported by check_devices
         return []
-    needed, available = 2 * model_bytes(model, data.feature_shape, data.outputs), \
-        memory_bytes(device)
+    needed, available = 2 * tensor_bytes(built), memory_bytes(device)
     if available is None or needed <= available:
         return []
     # where the size comes from: the layer widths, the constructor's arguments, the data
@@ -152,16 +155,12 @@ def check_model_memory(model, data, strategy) -> list[Problem]:
                     "labels: the classes are the largest label + 1")]
 
 
-def check_sparse_in_ps(model, data, strategy) -> list[Problem]:
-    """A parameter-server job pushes dense gradients only: a module that makes sparse ones
-    (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) is refused here
-    rather than failing at the first ``optimizer.step()`` in the transport."""
-    if strategy is None or strategy.kind != "parameter_server":
-        return []
-    try:
-        with torch.device("meta"):
-            built = build_model(model, data.feature_shape, data.outputs)
-    except Exception:  # noqa: BLE001 - check_fit reported why it does not build
+def check_sparse_in_ps(model, built: torch.nn.Module, strategy) -> list[Problem]:
+    """A parameter-server job pushes dense gradients only: a module of ``built`` that
+    makes sparse ones (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``)
+    is refused here rather than failing at the first ``optimizer.step()`` in the
+    transport."""
+    if strategy.kind != "parameter_server":
         return []
     sparse = [name or type(m).__name__ for name, m in built.named_modules()
               if getattr(m, "sparse", False) is True]
