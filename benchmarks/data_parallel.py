@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,24 +41,6 @@ from targets import DATA_PARALLEL_TARGET, median_interval, verdict  # noqa: E402
 from throughput import batches, build, csrun_loop, interleaved, plain_loop  # noqa: E402
 
 MODEL = "mlp"
-
-
-def wrapped_loop(data: list, wrap: Callable) -> Callable[[], None]:
-    """The plain loop, with the model wrapped (DataParallel, csrun's or torch's)."""
-    torch.manual_seed(0)
-    model = wrap(build(MODEL))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def run() -> None:
-        losses = []
-        for x, y in data:
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        torch.stack(losses).sum().item()
-    return run
 
 
 # -- DDP: two processes driven round by round ---------------------------------------------
@@ -113,11 +94,11 @@ class DDPProcesses:
 def variants(data: list, ddp: DDPProcesses | None) -> dict:
     two = ["CPU:0", "CPU:1"]
     out = {"plain": plain_loop(MODEL, data),
-           "data_parallel": wrapped_loop(data, lambda m: cs.DataParallel(m, two)),
+           "data_parallel": plain_loop(MODEL, data, wrap=lambda m: cs.DataParallel(m, two)),
            "strategy_run": csrun_loop(MODEL, data, two, "CPU:0")}
     if torch.cuda.device_count() >= 2:
-        out["torch_data_parallel"] = wrapped_loop(
-            data, lambda m: torch.nn.DataParallel(m.cuda(), [0, 1]))
+        out["torch_data_parallel"] = plain_loop(
+            MODEL, data, wrap=lambda m: torch.nn.DataParallel(m.cuda(), [0, 1]))
     if ddp is not None:
         out["ddp"] = ddp
     return out

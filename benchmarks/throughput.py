@@ -77,9 +77,12 @@ def batches(name: str, steps: int, device="cpu") -> list:
             for _ in range(steps)]
 
 
-def plain_loop(name: str, data: list, device="cpu") -> Callable[[], None]:
+def plain_loop(name: str, data: list, device="cpu",
+               wrap: Callable[[nn.Module], nn.Module] = lambda model: model
+               ) -> Callable[[], None]:
+    """The plain PyTorch loop, its model wrapped by ``wrap`` (a DataParallel) if given."""
     torch.manual_seed(0)
-    model = build(name).to(device)
+    model = wrap(build(name).to(device))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def run() -> None:
