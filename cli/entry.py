@@ -24,6 +24,11 @@ from . import streams
 __all__ = ["main"]
 
 _CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# A width outside these is no terminal's: COLUMNS=0 made rich print nothing at all (every
+# error hidden), and a huge one would draw a progress bar that wide. Below the minimum it
+# is taken as unknown, above the maximum as the maximum (here, before rich is loaded, and
+# in csrun.cli.render).
+MIN_COLUMNS, MAX_COLUMNS = 20, 4096
 
 
 def main() -> None:
@@ -52,16 +57,17 @@ def _leave(code: int) -> None:
         signal.signal(signum, lambda signum, frame: os._exit(code))
     _flush()  # what was written (--json -) is out before a signal could cut the exit short
     main = threading.main_thread()
-    stranded = ["".join(c if c.isprintable() else ascii(c)[1:-1] for c in t.name[:40])
-                for t in threading.enumerate()
+    stranded = [t for t in threading.enumerate()
                 if t is not main and not t.daemon and t.is_alive()]
     transport = sys.modules.get("csrun.core.cluster.transport")  # loaded by a cluster task
     if not stranded and not (transport and transport.calls_running()):
         return  # Python's own exit
-    if stranded:
+    if stranded:  # the user's code ran, so csrun.core is loaded already
+        from csrun.core.config.problems import printable
+        names = ", ".join(printable(t.name[:40]) for t in stranded)
         sys.stderr.write(fitted(f"note: exiting without waiting for {len(stranded)} "
                                 f"thread(s) still running in your code "
-                                f"({', '.join(stranded)[:200]}); make them daemon threads, "
+                                f"({names[:200]}); make them daemon threads, "
                                 "or end them") + "\n")
     atexit._run_exitfuncs()
     _flush()
@@ -108,7 +114,7 @@ def fitted(text: str) -> str:
     if not sys.stderr.isatty():
         return text
     # a terminal that says it has 0 columns (a pty never sized) has the minimum of render's
-    width = max(20, shutil.get_terminal_size().columns)
+    width = max(MIN_COLUMNS, shutil.get_terminal_size().columns)
     return textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False,
                          break_on_hyphens=False)
 

@@ -34,7 +34,9 @@ from csrun.core.runner.launch import (LaunchPlan, LaunchResult, TaskExited, Task
                                describe_exit)
 from csrun.core.config.problems import ConfigError, printable
 from csrun.core.runner.metrics import OutputError
+from csrun.core.runner.preflight.devices import ENVIRONMENT_ORIGIN
 
+from .entry import MAX_COLUMNS, MIN_COLUMNS
 from .lines import fits, keep, say, wrap
 
 __all__ = ["View", "sparkline", "write_json"]
@@ -165,10 +167,6 @@ class _Plain:
 
 _TRAILING = re.compile(r"[ \t]+\n")
 TASK_COLUMNS = "CSRUN_COLUMNS"  # set by csrun launch on a terminal: see task_environ
-# A width outside these is no terminal's: COLUMNS=0 made rich print nothing at all (every
-# error hidden), and a huge one would draw a progress bar that wide. Below the minimum it
-# is taken as unknown, above the maximum as the maximum.
-MIN_COLUMNS, MAX_COLUMNS = 20, 4096
 
 
 def _console(stderr: bool) -> Console:
@@ -466,7 +464,7 @@ class View:
         """How a task lays out its output for the room its lines have here, behind their
         ``[worker:0] `` prefix: tables that fit (``COLUMNS``) and, when this is a
         terminal, lines fitted too (``CSRUN_COLUMNS``)."""
-        columns = str(max(20, self.out.width - self._task_width - 3))
+        columns = str(max(MIN_COLUMNS, self.out.width - self._task_width - 3))
         return {"COLUMNS": columns, **({TASK_COLUMNS: columns} if fits(self.out) else {})}
 
     def on_launch_event(self, event: Any) -> None:
@@ -582,14 +580,15 @@ def _problem_count(problems: Sequence[Any]) -> str:
     """``2 problems in the config``, ``1 problem with the command line`` (an option's,
     such as ``--plot``), or both counted; ``... in the environment`` when every one is an
     environment variable's alone (``CSRUN_LOGICAL_CPUS``)."""
-    if all(not p.path and (p.origin or "").startswith("environment ") for p in problems):
-        return f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in the environment"
+    if all(not p.path and (p.origin or "").startswith(f"{ENVIRONMENT_ORIGIN} ")
+           for p in problems):
+        return f"{_count(len(problems), 'problem')} in the environment"
     options = sum(p.path.startswith("--") for p in problems)
     config = len(problems) - options
     if not options:
-        return f"{config} problem{'s' if config != 1 else ''} in the config"
+        return f"{_count(config, 'problem')} in the config"
     if not config:
-        return f"{options} problem{'s' if options != 1 else ''} with the command line"
+        return f"{_count(options, 'problem')} with the command line"
     return (f"{len(problems)} problems: {config} in the config, {options} with the "
             "command line")
 
