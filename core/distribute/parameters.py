@@ -68,7 +68,7 @@ from .values import flatten
 from .variables import VariableAggregation
 
 __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
-           "get_aggregation", "serve_while", "note_compiler"]
+           "get_aggregation", "serve_while"]
 
 _KINDS = ("parameter", "buffer")
 
@@ -165,12 +165,17 @@ def _serve_outside_graph(serving: "ReplicaServing", owner: ServedDict, name: str
 # _serve_outside_graph wrapped by torch.compiler.disable, made by the first run after
 # torch.compile was used (torch_internals.compiler_in_use says why not at import).
 _eager_serve = None
+# torch.compile's module class, known once the compiler is in use: its submodules run
+# inside compiled code, so the wrapper itself is adopted with them (_module_call)
+_compiled_type: type | None = None
 
 
 def _prepare_for_compile() -> None:
-    global _eager_serve
+    """Once the compiler is loaded: the eager serve, and torch.compile's module class."""
+    global _eager_serve, _compiled_type
     if torch_internals.compiler_in_use():
         _eager_serve = torch.compiler.disable(_serve_outside_graph)
+        _compiled_type = torch_internals.compiled_module_type()
 
 
 # -- aggregation of buffers -------------------------------------------------------------
@@ -311,20 +316,30 @@ class ParameterStore:
           RuntimeError: naming the module, when it lives on another device than the
             parameter device, belongs to another strategy, or its dicts are not torch's.
         """
+        if _compiled_type is not None and isinstance(module, _compiled_type):
+            module = torch_internals.compiled_original(module)
+        subs = list(module.named_modules())
+        # a compiled model comes here on every call: once adopted, without the lock (the
+        # served dicts are set last, so one found served is served whole)
+        if all(self._serves(sub) for _, sub in subs):
+            return
         with self._lock:
-            compiled = torch_internals.compiled_module_type()
-            if compiled is not None and isinstance(module, compiled):
-                module = torch_internals.compiled_original(module)
             top = type(module).__name__
-            for path, sub in module.named_modules():
+            for path, sub in subs:
                 name = f"{top}.{path} ({type(sub).__name__})" if path else \
                     f"{top}({module.extra_repr()})"
                 self._adopt_built_outside(sub, name)
 
-    def _adopt_built_outside(self, module: torch.nn.Module, what: str) -> None:
+    def _serves(self, module: torch.nn.Module) -> bool:
+        """``module`` has no tensors of its own, or this store serves them."""
         dicts = torch_internals.tensor_dicts(module)
-        if not any(dicts) or all(isinstance(d, ServedDict) and d.store is self for d in dicts):
+        return not any(dicts) or all(isinstance(d, ServedDict) and d.store is self
+                                     for d in dicts)
+
+    def _adopt_built_outside(self, module: torch.nn.Module, what: str) -> None:
+        if self._serves(module):
             return
+        dicts = torch_internals.tensor_dicts(module)
         if any(isinstance(d, ServedDict) for d in dicts):
             raise RuntimeError(
                 f"{what} was built in another strategy's scope; a module is served by one "
@@ -965,21 +980,6 @@ def _module_call(module: torch.nn.Module, *args, **kwargs):
                 or type(module) is _compiled_type) and not torch.compiler.is_compiling():
             store.adopt_in_use(module)
     return _torch_module_call(module, *args, **kwargs)
-
-
-# torch.compile's module class once the compiler is in use (its submodules run inside
-# compiled code, so the wrapper itself is adopted with them), else a class nothing is
-_compiled_type: type = type("_NotCompiled", (), {})
-
-
-def note_compiler() -> None:
-    """Learn torch.compile's module class once the compiler is loaded (asked before each
-    run: a dict lookup until then)."""
-    global _compiled_type
-    if _compiled_type.__name__ == "_NotCompiled":
-        compiled = torch_internals.compiled_module_type()
-        if compiled is not None:
-            _compiled_type = compiled
 
 
 # -- placement hooks --------------------------------------------------------------------

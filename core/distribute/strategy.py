@@ -25,7 +25,7 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext)
-from .parameters import ParameterStore, note_compiler, serve_while
+from .parameters import ParameterStore, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
@@ -511,7 +511,6 @@ class ParameterServerStrategyExtended:
         if streams is not None:
             self._start_streams(streams)
         snapshot = policy.before_run()
-        note_compiler()  # a compiled model built outside the scope is adopted whole
         self._current_run = run
         try:
             outputs = run.execute()
