@@ -101,13 +101,14 @@ def get_cross_replica_context():
     return entry.strategy if entry.strategy is not None and entry.replica is None else None
 
 
-def cross_replica_required(method: str) -> None:
-    """Raise TF's error when a cross-replica method is called inside a replica."""
+def cross_replica_required(method: str, hint: str | None = None) -> None:
+    """Raise TF's error when a cross-replica method is called inside a replica (``hint``:
+    another way to get there than ``merge_call``)."""
     if current_entry().replica is not None:
         raise RuntimeError(
             f"{method} requires being in cross-replica context (it was called inside "
-            "strategy.run); use get_replica_context().merge_call() to get there"
-        )
+            "strategy.run); "
+            + (hint or "use get_replica_context().merge_call() to get there"))
 
 
 def require_cross_replica_or_default(strategy, method: str, hint: str | None = None) -> None:
@@ -121,9 +122,7 @@ def require_cross_replica_or_default(strategy, method: str, hint: str | None = N
     if entry.strategy is not strategy:
         raise RuntimeError(f"Mixing different strategies: {method} of {strategy!r} was called "
                            f"in the scope (or run) of {entry.strategy!r}")
-    raise RuntimeError(f"{method} requires being in cross-replica context (it was called "
-                       "inside strategy.run); "
-                       + (hint or "use get_replica_context().merge_call() to get there"))
+    cross_replica_required(method, hint)  # in a replica of its own
 
 
 class ReplicaContext:

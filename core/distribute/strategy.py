@@ -80,8 +80,7 @@ class _Scope:
     def __enter__(self) -> "Strategy":
         current = context.current_entry()
         _check_not_mixing(current, self._strategy)
-        if current.replica is not None:  # TF's rule: scope() is cross-replica
-            require_cross_replica_or_default(self._strategy, "strategy.scope()")
+        cross_replica_required("strategy.scope()")  # TF's rule: scope() is cross-replica
         self._entry = Entry(self._strategy)
         context.push(self._entry)
         return self._strategy
@@ -459,9 +458,7 @@ class ParameterServerStrategyExtended:
             if not isinstance(args, (tuple, list)):
                 raise TypeError(f"args must be a tuple, got {type(args).__name__}")
             args = tuple(args)
-        if not self._run_lock.acquire(False):
-            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
-                               "running (e.g. run called inside merge_call's merge_fn)")
+        self._enter_run()
         try:
             count = self._num_local_replicas
             outputs = self._call(fn, unstack(args, count),
@@ -490,13 +487,17 @@ class ParameterServerStrategyExtended:
                                           and len(replica_kwargs) != count):
             raise ValueError(f"call_for_each_replica_split needs the arguments of each of "
                              f"the {count} replicas, got {len(replica_args)}")
-        if not self._run_lock.acquire(False):
-            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
-                               "running (e.g. run called inside merge_call's merge_fn)")
+        self._enter_run()
         try:
             return self._call(fn, list(replica_args), replica_kwargs, not backward)
         finally:
             self._run_lock.release()
+
+    def _enter_run(self) -> None:
+        """Take the run lock (its caller releases it), or refuse a nested run."""
+        if not self._run_lock.acquire(False):
+            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
+                               "running (e.g. run called inside merge_call's merge_fn)")
 
     def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
               reads: bool = True) -> list:
