@@ -194,9 +194,8 @@ class Strategy:
             return reduce_values(op, value.values, axis, device)
         replicas = self._extended.num_local_replicas
         if axis is None:
-            if op is ReduceOp.MEAN or replicas == 1 or _is_zero(value):
-                return value
-            raise _ambiguous_sum(value, replicas)
+            _check_not_ambiguous(op, value, replicas)
+            return value
         tensor = as_tensor(value.value() if isinstance(value, Variable) else value)
         return reduce_values(op, [tensor] * replicas, axis, device)
 
@@ -318,11 +317,14 @@ class _InitializableIterator:
     __next__ = get_next
 
 
-def _ambiguous_sum(value: Any, replicas: int) -> ValueError:
-    return ValueError(
-        f"A non-distributed value {value!r:.80} cannot be reduced with SUM across "
-        f"{replicas} replicas: it is the same on every replica, so the sum is ambiguous. "
-        "Reduce run's per-replica output, or use MEAN.")
+def _check_not_ambiguous(op: ReduceOp, value: Any, replicas: int) -> None:
+    """TF's rule for a non-distributed value: the same on every replica, so its SUM over
+    several replicas is ambiguous (unless it is zero); MEAN is the value itself."""
+    if op is ReduceOp.SUM and replicas > 1 and not _is_zero(value):
+        raise ValueError(
+            f"A non-distributed value {value!r:.80} cannot be reduced with SUM across "
+            f"{replicas} replicas: it is the same on every replica, so the sum is "
+            "ambiguous. Reduce run's per-replica output, or use MEAN.")
 
 
 def _single_value(value: Any) -> Any:
@@ -600,8 +602,7 @@ class ParameterServerStrategyExtended:
         require_cross_replica_or_default(self._container, "extended.reduce_to")
         op = ReduceOp.resolve(reduce_op)
         if not isinstance(value, DistributedValues) and self._num_local_replicas > 1:
-            if op is ReduceOp.SUM and not _is_zero(value):
-                raise _ambiguous_sum(value, self._num_local_replicas)
+            _check_not_ambiguous(op, value, self._num_local_replicas)
             return value
         values = value.values if isinstance(value, DistributedValues) else [value]
         if isinstance(destinations, DistributedValues):
