@@ -21,7 +21,7 @@ from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
                         STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
-                        ParameterServerError, Stopped, agree, bounded, connect_store, decode,
+                        ParameterServerError, Stopped, agree, connect_store, decode,
                         encode, flat_by_dtype, gloo_device, pack_state, poll_until,
                         settings_to_json, store_host, transport_error, unflatten_into,
                         unpack_state)
@@ -146,11 +146,13 @@ class ParameterServerClient:
         # whole exchange by the timeout
         timeout = datetime.timedelta(seconds=2 * self._timeout + 5)
         device = gloo_device(store_host(self._resolver))
-        self._channels = [bounded(lambda k=k: Channel(self._store.raw, f"chan/{k}/{name}", 1,
-                                                      timeout, device),
-                                  self._timeout + 5, f"ps:{k}'s channel", self._stop)
-                          for k in range(self.num_ps)]
+        spec = self._resolver.cluster_spec()
+        self._ps_names = [f"ps:{k} ({spec.task_address('ps', k)})" for k in range(self.num_ps)]
+        # one thread per ps for every exchange with it, its channel's making included
         self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]
+        self._channels = [self._callers[k].call(
+            lambda k=k: Channel(self._store.raw, f"chan/{k}/{name}", 1, timeout, device),
+            self._timeout + 5, f"ps:{k}'s channel", self._stop) for k in range(self.num_ps)]
 
     def agree(self, name: str, value: dict) -> tuple[str, dict]:
         """Publish what every task must agree on (:func:`~.transport.agree`)."""
@@ -164,7 +166,6 @@ class ParameterServerClient:
         for the whole exchange (gloo bounds each tensor's send and receive alone: a silent
         ps held a worker many times as long), on the channel's caller thread: a second
         Ctrl-C or SIGTERM is heard while it waits."""
-        address = self._resolver.cluster_spec().task_address("ps", k)
         channel = self._channels[k]
 
         def exchange() -> tuple[int, list[torch.Tensor]]:
@@ -173,11 +174,11 @@ class ParameterServerClient:
 
         try:
             answer, reply = self._callers[k].call(exchange, self._timeout,
-                                                  f"parameter server ps:{k} ({address})")
+                                                  f"parameter server {self._ps_names[k]}")
         except ParameterServerError:
             raise
         except RuntimeError as exc:
-            raise _stopped_answering(f"ps:{k} ({address})", self.task, exc) from None
+            raise _stopped_answering(self._ps_names[k], self.task, exc) from None
         if answer == ABORTED:  # the ps says why the job ended
             raise ParameterServerError(decode(reply[0]))
         if answer == REFUSED:  # this worker's model is not the job's
@@ -329,7 +330,7 @@ class ParameterServerClient:
         lost = self.lost_workers() if lost is None else lost
         return [t for t in tasks if t not in lost and not self._store.check([f"finished/{t}"])]
 
-    def wait_for_workers(self, tasks: list[str], silence: float,
+    def wait_for_workers(self, tasks: list[str], silence: float | None = None,
                          report: Callable[[str, str], None] | None = None) -> list[str]:
         """Chief: wait until every other worker finished or was lost; return the lost ones.
 
@@ -338,8 +339,8 @@ class ParameterServerClient:
         lost too (a slow worker that still pushes is waited for). A signal (this task's
         ``stop``) during the wait ends it with :class:`Stopped`; after one that came
         before, the others are stopping too, and are waited for."""
+        silence = silence or self._timeout  # strategy.timeout_s by default
         lost: dict[str, str] = {}  # as last seen: a restarted worker may finish after all
-        silent: dict[str, str] = {}
         reported: set = set()
         pushed = [self.global_step, time.monotonic()]  # the last push seen, and when
 
@@ -350,16 +351,16 @@ class ParameterServerClient:
             step, now = self.global_step, time.monotonic()
             if step != pushed[0]:
                 pushed[:] = [step, now]
-            elif unfinished and now - pushed[1] > silence:
-                silent.update({t: f"it neither pushed an update nor finished for "
-                                  f"{silence:g} s (strategy.timeout_s): stopped or hung"
-                               for t in unfinished})
-            lost.update(silent)
+            silent = bool(unfinished) and now - pushed[1] > silence  # a push resets it
+            if silent:
+                lost.update({t: f"it neither pushed an update nor finished for "
+                                f"{silence:g} s (strategy.timeout_s): stopped or hung"
+                             for t in unfinished})
             for task, why in lost.items():
                 if task not in reported and report is not None:
                     report(task, why)
                 reported.add(task)
-            return not unfinished or bool(silent)
+            return not unfinished or silent
 
         stop = self._stop if self._stop is not None and not self._stop.is_set() else None
         poll_until(settled, stop=stop, waiting_for="the other workers to finish")

@@ -110,9 +110,10 @@ def _roles(source: str, num_ps: int | None, rank: int, world: int) -> tuple[str,
 
 def _port(source: str, env: Mapping[str, str], default: int) -> int:
     text = env.get(PS_PORT_ENV)
-    port = default if text is None else int(text) if text.isdigit() else -1
-    if not 0 < port < 65536:
-        raise _fail(source, f"the store's port {text or port} is not in 1..65535",
+    port = default if text is None else _int(text)  # bounded as the other variables are
+    if port is None or not 0 < port < 65536:
+        shown = port if text is None else repr(text[:40])
+        raise _fail(source, f"the store's port {shown} is not in 1..65535",
                     f"set {PS_PORT_ENV}")
     return port
 
@@ -170,7 +171,7 @@ def _task_nodes(per_node: str, hosts: list[str], world: int) -> list[str]:
         if not found:
             return [hosts[0]] * world
         repeat = min(int(found.group(2) or 1), len(hosts) - len(counts))
-        counts += [min(int(found.group(1)), world + 1)] * repeat
+        counts += [int(found.group(1))] * repeat  # a sum past world is refused below
     if sum(counts) != world:
         return [hosts[0]] * world
     return [host for host, n in zip(hosts, counts) for _ in range(n)]

@@ -127,7 +127,6 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         self._resolver = resolver
         self._ps_server: ParameterServer | None = None
         self._lost: list[str] | None = None
-        self._timeout = timeout
         self._task_type = resolver.task_type if resolver else None
         self._task_id = resolver.task_id if resolver else None
         store = None
@@ -299,8 +298,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         if self._lost is None:
             client = self._remote().client
             try:
-                self._lost = client.wait_for_workers(self._others(), timeout or self._timeout,
-                                                     report)
+                self._lost = client.wait_for_workers(self._others(), timeout, report)
             except Stopped:
                 self._lost = sorted(client.lost_workers())  # finish() waits no more
                 raise

@@ -117,3 +117,9 @@ def test_num_ps_must_match_a_given_cluster_and_task_must_match_the_rank():
     with pytest.raises(ConfigError) as info:
         load(TORCHRUN, ["strategy.num_ps=1", "strategy.task={type: ps, index: 0}"])
     assert "differs from torchrun's task worker:1" in info.value.problems[0].message
+
+
+@pytest.mark.parametrize("port", ["²", "9" * 5000, "0", "70000", "x"])
+def test_a_bad_store_port_is_a_cluster_error_naming_the_variable(port):
+    with pytest.raises(ClusterError, match=r"the store's port .* is not in 1\.\.65535"):
+        torchrun_cluster(1, {**TORCHRUN, "CSRUN_PS_PORT": port})
