@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,9 +34,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import csrun.core as cs
+from csrun.core.runner.launch import free_ports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
-from targets import DATA_PARALLEL_TARGET, median_interval, verdict  # noqa: E402
+from targets import DATA_PARALLEL_TARGET, verdict  # noqa: E402
 from throughput import batches, build, csrun_loop, interleaved, plain_loop  # noqa: E402
 
 MODEL = "mlp"
@@ -73,7 +73,7 @@ class DDPProcesses:
         self.orders = [context.SimpleQueue() for _ in range(2)]
         self.done = context.SimpleQueue()
         threads = max(1, torch.get_num_threads() // 2)
-        port = 29500 + os.getpid() % 1000
+        port = free_ports(1)[0]  # a fixed port could be another job's
         self.procs = [context.Process(target=_ddp_worker, daemon=True, args=(
             rank, steps, threads, port, self.orders[rank], self.done)) for rank in range(2)]
         for proc in self.procs:

@@ -166,8 +166,8 @@ def newest_installable(cache: Path, timeout: float) -> str:
     status = run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps",
                   "--ignore-installed", "--quiet", "--report", report, "torch"], timeout, log)
     if status != 0:
-        why = "timed out" if status is None else pip_errors(log)
-        raise SetupError(f"pip could not pick the newest torch: {why} (log: {log})")
+        raise SetupError(f"pip could not pick the newest torch: {pip_failure(status, log)} "
+                         f"(log: {log})")
     return json.loads(report.read_text())["install"][0]["metadata"]["version"]
 
 
@@ -201,12 +201,17 @@ def prepare(venv: Path, version: str, numpy: str | None, args) -> dict:
     status = run([python, "-m", "pip", "install", "-c", constraints, f"torch=={version}",
                   "-e", f"{ROOT}[test]"], args.install_timeout, log)
     if status != 0:
-        why = "timed out" if status is None else pip_errors(log)
-        raise SetupError(f"torch=={version} cannot be installed here: {why} (log: {log})")
+        raise SetupError(f"torch=={version} cannot be installed here: "
+                         f"{pip_failure(status, log)} (log: {log})")
     installed = check(python, version, venv / "install.log")
     ready = {"want": want, **installed}
     marker.write_text(json.dumps(ready, indent=1))
     return ready
+
+
+def pip_failure(status: int | None, log: Path) -> str:
+    """Why a pip run failed: it timed out, or the errors its log names."""
+    return "timed out" if status is None else pip_errors(log)
 
 
 def step(status: int | None, what: str, log: Path, timeout: float) -> None:
@@ -304,8 +309,9 @@ def parse(argv) -> argparse.Namespace:
                         help="numpy constraint for every version, e.g. '<2' (default: <2 "
                              "for torch before 2.3, none after)")
     parser.add_argument("--paths", nargs="+", default=SUITE, help="what pytest runs")
-    parser.add_argument("--markers", default=fast_markers(),
-                        help=f"pytest -m (default {fast_markers()!r}: leaves out whichever "
+    markers = fast_markers()
+    parser.add_argument("--markers", default=markers,
+                        help=f"pytest -m (default {markers!r}: leaves out whichever "
                              f"of {', '.join(SLOW_MARKERS)} pyproject registers)")
     parser.add_argument("--install-timeout", type=float, default=1800, metavar="S")
     parser.add_argument("--test-timeout", type=float, default=3600, metavar="S")
