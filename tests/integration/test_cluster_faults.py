@@ -117,8 +117,11 @@ class FrozenPs:
                 connection, _ = self.server.accept()
             except OSError:
                 return
-            self.connections.append(connection)
-            self.accepted.set()
+            self._took(connection)
+
+    def _took(self, connection: socket.socket) -> None:
+        self.connections.append(connection)
+        self.accepted.set()
 
     def close(self) -> None:
         self.server.close()
@@ -130,62 +133,77 @@ class ResettingPs(FrozenPs):
     """A ps address whose program reads what a worker says, then resets the connection
     (another program on the port)."""
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            self.accepted.set()
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            connection.settimeout(5)
-            with contextlib.suppress(OSError):
-                connection.recv(100)
-            connection.close()  # with SO_LINGER 0: a reset
+    def _took(self, connection: socket.socket) -> None:
+        self.accepted.set()
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.settimeout(5)
+        with contextlib.suppress(OSError):
+            connection.recv(100)
+        connection.close()  # with SO_LINGER 0: a reset
+
+
+@pytest.fixture
+def fake_ps():
+    """``fake_ps(FrozenPs, port)``: a fake ps address, closed when the test ends."""
+    made: list[FrozenPs] = []
+
+    def make(kind: type, port: int) -> FrozenPs:
+        made.append(kind(port))
+        return made[-1]
+    yield make
+    for server in made:
+        server.close()
+
+
+@pytest.fixture
+def serving_ps():
+    """An in-process ps for library tests: its cluster spec (two workers), served until
+    the test ends."""
+    port = free_ports(1)[0]
+    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": [f"127.0.0.1:{port}"]}
+    server = ParameterServer(SimpleClusterResolver(spec, "ps", 0), timeout=30)
+    stop = threading.Event()
+    threading.Thread(target=server.serve, kwargs={"stop": stop, "grace": 0},
+                     daemon=True).start()
+    yield spec
+    stop.set()
 
 
 # -- 1. a frozen ps ----------------------------------------------------------------------
 @pytest.mark.timeout(180)
-def test_a_worker_against_a_frozen_ps_gives_up_after_timeout_s_naming_it(tmp_path, tasks):
+def test_a_worker_against_a_frozen_ps_gives_up_after_timeout_s_naming_it(tmp_path, tasks,
+                                                                         fake_ps):
     ports = free_ports(2)
-    frozen = FrozenPs(ports[1])
-    try:
-        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
-        assert frozen.accepted.wait(120), worker.text()
-        code = worker.finish(timeout=60)
-    finally:
-        frozen.close()
+    frozen = fake_ps(FrozenPs, ports[1])
+    worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+    assert frozen.accepted.wait(120), worker.text()
+    code = worker.finish(timeout=60)
     assert code == 1, worker.text()
     assert f"ps:0 (127.0.0.1:{ports[1]}) did not answer within 3 s" in worker.text()
     assert "Traceback" not in worker.text()
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_while_waiting_for_a_frozen_ps_exits_143_promptly(tmp_path, tasks):
+def test_sigterm_while_waiting_for_a_frozen_ps_exits_143_promptly(tmp_path, tasks, fake_ps):
     ports = free_ports(2)
-    frozen = FrozenPs(ports[1])
-    try:
-        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 120)
-        assert frozen.accepted.wait(120), worker.text()
-        time.sleep(0.5)  # in the wait, its signal handlers installed
-        worker.process.send_signal(signal.SIGTERM)
-        code = worker.finish(timeout=30)  # unheard, it would wait its 120 s timeout_s
-    finally:
-        frozen.close()
+    frozen = fake_ps(FrozenPs, ports[1])
+    worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 120)
+    assert frozen.accepted.wait(120), worker.text()
+    time.sleep(0.5)  # in the wait, its signal handlers installed
+    worker.process.send_signal(signal.SIGTERM)
+    code = worker.finish(timeout=30)  # unheard, it would wait its 120 s timeout_s
     assert code == 143, worker.text()
     assert "stopped by SIGTERM" in worker.text() and "waiting for" in worker.text()
 
 
 @pytest.mark.timeout(180)
-def test_a_ps_address_that_resets_connections_ends_the_worker_with_one_line(tmp_path, tasks):
+def test_a_ps_address_that_resets_connections_ends_the_worker_with_one_line(tmp_path, tasks,
+                                                                           fake_ps):
     ports = free_ports(2)
-    resetting = ResettingPs(ports[1])
-    try:
-        worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
-        assert resetting.accepted.wait(120), worker.text()
-        code = worker.finish(timeout=60)
-    finally:
-        resetting.close()
+    resetting = fake_ps(ResettingPs, ports[1])
+    worker = tasks(tmp_path, loopback(ports, 1), "worker", 0, 3)
+    assert resetting.accepted.wait(120), worker.text()
+    code = worker.finish(timeout=60)
     # it printed csrun's line, then "terminate called without an active exception": 134
     assert code == 1, worker.text()
     lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
@@ -259,15 +277,10 @@ def test_a_task_with_another_config_is_refused_naming_the_keys(tmp_path, tasks):
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_with_another_model_is_told_what_differs():
+def test_a_worker_with_another_model_is_told_what_differs(serving_ps):
     """Through the library (no config to compare): the ps compares shapes at
     registration instead of failing the push ("ps:0 stopped answering")."""
-    port = free_ports(1)[0]
-    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": [f"127.0.0.1:{port}"]}
-    server = ParameterServer(SimpleClusterResolver(spec, "ps", 0), timeout=30)
-    stop = threading.Event()
-    threading.Thread(target=server.serve, kwargs={"stop": stop, "grace": 0},
-                     daemon=True).start()
+    spec = serving_ps
     first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 0), timeout=30)
     second = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
     first.register([[(0, torch.zeros(16, 8), 0), (1, torch.zeros(16), 0)]])
@@ -275,7 +288,6 @@ def test_a_worker_with_another_model_is_told_what_differs():
                                               r"job, float32 \[32, 8\] here"):
         second.register([[(0, torch.zeros(32, 8), 0), (1, torch.zeros(32), 0)]])
     second.register([[(0, torch.ones(16, 8), 0), (1, torch.ones(16), 0)]])  # same: fine
-    stop.set()
 
 
 # -- 3. what a dying ps prints -----------------------------------------------------------
@@ -419,16 +431,11 @@ def test_a_second_process_started_as_the_same_ps_is_refused(tmp_path, tasks):
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_that_finished_or_runs_is_not_played_again():
+def test_a_worker_that_finished_or_runs_is_not_played_again(serving_ps):
     """Through the library: a second client as worker:1 is refused while the first runs
     (after min(CLAIM_GRACE_S, timeout)), and once the first finished."""
     from csrun.core.cluster.transport import DuplicateTask
-    port = free_ports(1)[0]
-    spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "ps": [f"127.0.0.1:{port}"]}
-    server = ParameterServer(SimpleClusterResolver(spec, "ps", 0), timeout=30)
-    stop = threading.Event()
-    threading.Thread(target=server.serve, kwargs={"stop": stop, "grace": 0},
-                     daemon=True).start()
+    spec = serving_ps
     first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
     with pytest.raises(DuplicateTask, match="worker:1 is already running in this job"):
         ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
@@ -440,4 +447,3 @@ def test_a_worker_that_finished_or_runs_is_not_played_again():
         if "worker:1 already did its part of this job" in str(refused.value):
             break
         assert time.monotonic() < deadline, refused.value
-    stop.set()
