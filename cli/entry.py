@@ -20,15 +20,11 @@ import textwrap
 import threading
 
 from . import streams
+from .columns import MIN_COLUMNS
 
 __all__ = ["main"]
 
 _CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-# A width outside these is no terminal's: COLUMNS=0 made rich print nothing at all (every
-# error hidden), and a huge one would draw a progress bar that wide. Below the minimum it
-# is taken as unknown, above the maximum as the maximum (here, before rich is loaded, and
-# in csrun.cli.render).
-MIN_COLUMNS, MAX_COLUMNS = 20, 4096
 
 
 def main() -> None:

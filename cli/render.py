@@ -36,7 +36,7 @@ from csrun.core.config.problems import ConfigError, printable
 from csrun.core.runner.metrics import OutputError
 from csrun.core.runner.preflight.devices import ENVIRONMENT_ORIGIN
 
-from .entry import MAX_COLUMNS, MIN_COLUMNS
+from .columns import MAX_COLUMNS, MIN_COLUMNS
 from .lines import fits, keep, say, wrap
 
 __all__ = ["View", "sparkline", "write_json"]
