@@ -165,9 +165,12 @@ def make_strategy(args, num_ps: int):
 
 def memory() -> dict:
     """This process's resident set now and at its peak, in bytes."""
-    status = Path("/proc/self/status").read_text().split("\n")
-    rss = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:")), 0)
-    return {"rss": rss, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    status = dict(line.split(":", 1) for line in
+                  Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kib = lambda key: int(status.get(key, "0 kB").split()[0]) * 1024  # noqa: E731
+    # ru_maxrss lags VmRSS by a few pages; the peak is the larger of it and VmHWM
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, kib("VmHWM"))
+    return {"rss": kib("VmRSS"), "maxrss": peak}
 
 
 def transfer_stats(strategy) -> dict | None:

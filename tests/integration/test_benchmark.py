@@ -138,3 +138,37 @@ def test_data_parallel_benchmark_runs(tmp_path):
     assert all(v["examples_per_s"] > 0 for v in result["variants"].values())
     assert result["target"]["data_parallel >="] == 0.85
     assert "data_parallel / strategy_run" in out
+
+
+@pytest.mark.timeout(300)
+def test_ps_embeddings_benchmark_runs(tmp_path):
+    """benchmarks/ps_embeddings.py (embedding tables on parameter servers) with tiny
+    tables, so that it cannot rot: every measure's figures, the bound, the targets."""
+    result, out = _benchmark(tmp_path, "ps_embeddings.py", "--quick", "--grid", "1x1")
+    rows_served = result["features"]["serve_embedding_rows"]
+    assert set(result) >= {"date", "command", "machine", "bytes", "speed", "links", "memory",
+                           "targets"}
+    for measure in ("bytes", "speed", "memory"):
+        dense = result[measure]["dense"]
+        assert dense["examples_per_s"] > 0 and dense["bytes_per_step"] > 0
+        # whole tables move far more than the rows a step touches
+        assert dense["bytes_per_step"] > dense["bound_bytes_per_step"] > 0
+        assert 0 < dense["unique_rows_per_step"] <= dense["lookups_per_step"]
+        assert dense["worker_memory"]["peak"] >= dense["worker_memory"]["steady"] > 0
+        rows = result[measure]["rows"]
+        if rows_served:
+            assert rows["examples_per_s"] > 0 and rows["bytes_per_step"] > 0
+            assert rows["bound_bytes_per_step"] > 0 and rows["bytes_source"] == "transfer_stats"
+        else:
+            assert "serve_embedding_rows" in rows["skipped"]
+    assert result["memory"]["dense"]["tables"] == [8389]  # 8,388,608 rows x --quick's 0.001
+    links = result["links"]
+    if "skipped" not in links:
+        [cell] = links["rows"]
+        assert (cell["workers"], cell["ps"]) == (1, 1)
+        assert cell["bound_examples_per_s"] > 0 and cell["of_bound"] > 0
+    judged = {t["what"]: t for t in result["targets"]}
+    assert len(judged) == 2
+    for t in judged.values():
+        assert t["verdict"] in ("met", "missed") if rows_served else t["value"] is None
+    assert "target examples/s rows served / whole tables (1M x 32) >= 20" in out
