@@ -24,7 +24,8 @@ aggregation
 
 import importlib.metadata as _metadata
 
-from .cluster import (ClusterResolver, ClusterSpec, ParameterServerStrategy,
+from .cluster import (ClusterResolver, ClusterSpec, FixedShardsPartitioner,
+                      MinSizePartitioner, ParameterServerStrategy, Partitioner,
                       SimpleClusterResolver, TFConfigClusterResolver, TorchrunClusterResolver)
 from . import distribute
 from .distribute import (
@@ -40,7 +41,8 @@ from .distribute import (
 )
 
 __all__ = ["ParameterServerStrategy", "ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
-           "TFConfigClusterResolver", "TorchrunClusterResolver"]
+           "TFConfigClusterResolver", "TorchrunClusterResolver", "Partitioner",
+           "FixedShardsPartitioner", "MinSizePartitioner"]
 __all__ += distribute.__all__  # the engine's names, listed once, in csrun.core.distribute
 
 # the installed distribution's version: one number, kept in pyproject.toml

@@ -4,6 +4,7 @@
 
 from .launchers import TorchrunClusterResolver
 from .parameter_server_strategy import ParameterServerStrategy
+from .sharded_variable import FixedShardsPartitioner, MinSizePartitioner, Partitioner
 from .resolvers import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                         TFConfigClusterResolver)
 
@@ -14,4 +15,7 @@ __all__ = [
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "ParameterServerStrategy",
+    "Partitioner",
+    "FixedShardsPartitioner",
+    "MinSizePartitioner",
 ]

@@ -8,6 +8,7 @@ updated values in the same round trip (:meth:`ParameterServerClient.push_pull`).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import threading
@@ -19,38 +20,15 @@ import torch.distributed as dist
 
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
-from .transport import (ABORTED, BYE, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED, REGISTER,
-                        STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
+from .sharded_variable import Shard
+from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
+                        REGISTER, STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
                         ParameterServerError, Stopped, agree, connect_store, decode,
                         encode, flat_by_dtype, gloo_device, pack_state, poll_until,
                         settings_to_json, store_host, transport_error, unflatten_into,
                         unpack_state)
 
-__all__ = ["ParameterServerClient", "placement", "CLAIM_GRACE_S"]
-
-
-def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
-              colocate: dict[int, int] | None = None) -> list[int]:
-    """The ps task of each variable, in creation order.
-
-    ``round_robin`` is TF's rule (variable i on ps i mod n); ``balanced`` puts each variable
-    on the ps holding the fewest bytes so far (TF users complained of skew). ``colocate``
-    maps a variable index to an earlier one whose ps it must share.
-    """
-    if mode not in ("round_robin", "balanced"):
-        raise ValueError(f"variable placement must be 'round_robin' or 'balanced', got {mode!r}")
-    owners: list[int] = []
-    load = [0] * num_ps
-    for index, size in enumerate(sizes):
-        if colocate and index in colocate:
-            owner = owners[colocate[index]]
-        elif mode == "round_robin":
-            owner = index % num_ps
-        else:
-            owner = min(range(num_ps), key=lambda k: (load[k], k))
-        owners.append(owner)
-        load[owner] += size
-    return owners
+__all__ = ["ParameterServerClient", "Push", "CLAIM_GRACE_S"]
 
 
 def _job_store(raw: dist.TCPStore, address: str, task: str, timeout: float) -> BoundedStore:
@@ -71,7 +49,18 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
                                 f"{transport_error(exc)}; the job cannot go on without it")
 
 
-CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
+_TRAINING = (PUSH_PULL, LOOKUP, PULL)  # what a step moves (not registration, checkpoints)
+CLAIM_GRACE_S = 5.0
+
+
+@dataclasses.dataclass
+class Push:
+    """One ps's part of a step: dense gradients ``(shard id, grad)``, and rows
+    ``(shard id, shard-local row ids, rows, mode)`` (mode ``sparse``: the optimizer's
+    sparse update; ``dense``: the dense gradient they stand for)."""
+
+    dense: list = dataclasses.field(default_factory=list)
+    rows: list = dataclasses.field(default_factory=list)  # how long a restarted task waits for the ps to see its old process die
 
 
 class ParameterServerClient:
@@ -91,6 +80,8 @@ class ParameterServerClient:
                                  timeout)
         self._channels: list[Channel] = []
         self._callers: list[Caller] = []
+        self._moved = [[0, 0] for _ in range(self.num_ps)]  # bytes sent, received per ps
+        self.steps = 0  # optimizer steps this process pushed
         self.incarnation = self._store.add(f"incarnation/{self.task}", 1)
         self._claim()
         self._connect()
@@ -169,8 +160,13 @@ class ParameterServerClient:
         channel = self._channels[k]
 
         def exchange() -> tuple[int, list[torch.Tensor]]:
+            sent, received = channel.sent_bytes, channel.received_bytes
             channel.send(op, payload)
-            return channel.recv()
+            answer = channel.recv()
+            if op in _TRAINING:  # on this ps's caller thread: one at a time
+                self._moved[k][0] += channel.sent_bytes - sent
+                self._moved[k][1] += channel.received_bytes - received
+            return answer
 
         try:
             answer, reply = self._callers[k].call(exchange, self._timeout,
@@ -186,17 +182,26 @@ class ParameterServerClient:
         return reply
 
     # -- variables -------------------------------------------------------------------------
-    def register(self, shards: list[list[tuple[int, torch.Tensor, int]]]) -> None:
-        """Offer initial values (``(var_id, tensor, group)`` per ps) and take the ps's."""
-        for k, shard in enumerate(shards):
-            if not shard:
+    def register(self, held: list[list[tuple[Shard, torch.Tensor, dict]]],
+                 whole: list[list[torch.Tensor]]) -> None:
+        """Offer each ps its shards (``(shard, values, flags)``) and take the values it
+        holds for those served whole (``whole[k]``: where they go). Values travel only
+        when the ps asks for them: the first worker's initialize a shard, later workers
+        take the ps's."""
+        for k, shards in enumerate(held):
+            if not shards:
                 continue
-            meta = {"vars": [{"id": i, "shape": list(t.shape), "group": g,
-                              "dtype": str(t.dtype).replace("torch.", "")} for i, t, g in shard]}
-            ordered = [t for _, t, _ in sorted(shard, key=lambda s: s[0])]
-            reply = self._call(k, REGISTER, [encode(meta)] + flat_by_dtype(ordered))
-            with torch.no_grad():
-                unflatten_into(ordered, reply)
+            meta = {"shards": [{"id": s.id, "var": s.var, "start": s.start,
+                                "shape": list(t.shape), **flags,
+                                "dtype": str(t.dtype).replace("torch.", "")}
+                               for s, t, flags in shards]}
+            reply = self._call(k, REGISTER, [encode(meta)])
+            if decode(reply[0])["need_values"]:
+                reply = self._call(k, REGISTER, [encode({**meta, "with_values": True})] +
+                                   flat_by_dtype([t for _, t, _ in shards]))
+            if whole[k]:
+                with torch.no_grad():
+                    unflatten_into(whole[k], reply[1:])
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer,
                            var_groups: dict[int, int]) -> None:
@@ -208,17 +213,49 @@ class ParameterServerClient:
         for k in range(self.num_ps):
             self._call(k, OPTIMIZER, [encode(spec)])
 
-    def push_pull(self, shards: list[list[tuple[int, torch.Tensor]]], lrs: list[float],
-                  values: list[list[torch.Tensor]]) -> None:
-        """Send gradients (``(var_id, grad)`` per ps), receive every variable's new value."""
-        for k, shard in enumerate(shards):
-            if not values[k]:
+    def lookup(self, requests: list[list[tuple[int, torch.Tensor]]],
+               dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """Table rows: ``requests[k]`` lists (shard id, shard-local row ids) for ps k; the
+        rows come back flat, one per request, in the same order."""
+        answers: list[list[torch.Tensor]] = []
+        for k, wanted in enumerate(requests):
+            if not wanted:
+                answers.append([])
                 continue
-            meta = {"ids": [i for i, _ in shard], "lrs": lrs}
-            reply = self._call(k, PUSH_PULL, [encode(meta)] + flat_by_dtype(
-                [g for _, g in shard]))
-            with torch.no_grad():
-                unflatten_into(values[k], reply)
+            meta = {"shards": [[shard, len(ids)] for shard, ids in wanted]}
+            ids = torch.cat([ids for _, ids in wanted])
+            flat = self._call(k, LOOKUP, [encode(meta), ids])
+            flat = flat[0] if flat else torch.empty(0, dtype=dtype)
+            sizes = [len(i) for _, i in wanted]
+            answers.append(list(flat.split([n * (flat.numel() // max(1, sum(sizes)))
+                                            for n in sizes])))
+        return answers
+
+    def assign(self, writes: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
+        """Write table rows: ``writes[k]`` lists (shard id, shard-local ids, rows)."""
+        for k, rows in enumerate(writes):
+            if rows:
+                meta = {"shards": [[shard, len(ids)] for shard, ids, _ in rows]}
+                self._call(k, ASSIGN, [encode(meta), torch.cat([i for _, i, _ in rows])] +
+                           flat_by_dtype([r for _, _, r in rows]))
+
+    def push_pull(self, pushes: list["Push"], lrs: list[float],
+                  values: list[list[torch.Tensor]], count_on: int) -> None:
+        """Send each ps its gradients (``pushes[k]``) and take the new values of the
+        shards it serves whole (into ``values[k]``); ``count_on``: the ps that counts the
+        step in the job's books (one per push, where it is applied)."""
+        for k, push in enumerate(pushes):
+            if push is None:
+                continue
+            meta = {"dense": [i for i, _ in push.dense], "lrs": lrs, "count": k == count_on,
+                    "rows": [[i, len(ids), mode] for i, ids, _, mode in push.rows]}
+            ids = torch.cat([ids for _, ids, _, _ in push.rows]) if push.rows else \
+                torch.empty(0, dtype=torch.int64)
+            reply = self._call(k, PUSH_PULL, [encode(meta), ids] + flat_by_dtype(
+                [g for _, g in push.dense] + [v for _, _, v, _ in push.rows]))
+            if values[k]:
+                with torch.no_grad():
+                    unflatten_into(values[k], reply)
 
     def pull(self, values: list[list[torch.Tensor]]) -> None:
         for k in range(self.num_ps):
@@ -234,10 +271,40 @@ class ParameterServerClient:
             self._call(k, LOAD, [pack_state(state)])
 
     # -- job bookkeeping -------------------------------------------------------------------
-    def count_step(self) -> int:
+    def count_step(self) -> None:
+        """A step was pushed (the ps that applied it counted it in the job's books)."""
+        self.steps += 1
         if self._watch is not None:
             self._watch.check()  # a dead chief ends this worker too
-        return self._store.add("global_step", 1)
+
+    def transfer_stats(self) -> dict:
+        """What this process moved to and from the ps tasks for its steps (lookups,
+        pushes, pulls; headers included), in all and per step."""
+        pushed = sum(m[0] for m in self._moved)
+        pulled = sum(m[1] for m in self._moved)
+        per = max(1, self.steps)
+        return {"steps": self.steps, "pushed_bytes": pushed, "pulled_bytes": pulled,
+                "pushed_bytes_per_step": pushed / per, "pulled_bytes_per_step": pulled / per}
+
+    def publish_transfers(self) -> None:
+        """Leave this worker's :meth:`transfer_stats` where the chief reads them."""
+        self._store.set(f"transfers/{self.task}", json.dumps(self.transfer_stats()))
+
+    def transfers(self) -> dict[str, dict]:
+        """Every worker's published :meth:`transfer_stats`."""
+        return {task: json.loads(self._store.get(f"transfers/{task}"))
+                for task in self._worker_tasks() if self._store.check([f"transfers/{task}"])}
+
+    def steps_done(self, task: str | None = None) -> int | None:
+        """Steps the ps tasks applied for ``task`` (default: this one) in this job, as
+        counted where they were applied; None before its first."""
+        key = f"steps/{task or self.task}"
+        return self._store.add(key, 0) if self._store.check([key]) else None
+
+    def set_steps(self, step: int) -> None:
+        """A restored job: every worker starts from the checkpoint's step."""
+        for task in self._worker_tasks():
+            self._store.set(f"steps/{task}", str(int(step)))
 
     def set_global_step(self, step: int) -> None:
         self._store.set("global_step", str(int(step)))

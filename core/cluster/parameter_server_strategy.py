@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -25,7 +26,10 @@ import torch
 from ..distribute.devices import LogicalDevice, resolve_devices
 from ..distribute.parameters import ParameterStore
 from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
-from .client import ParameterServerClient, placement
+from .client import ParameterServerClient, Push
+from .embedding_lookup import SPARSE_OPTIMIZERS, RowTable, find_tables, serve_by_rows
+from .sharded_state import FORMAT, split_state, whole_state
+from .sharded_variable import Layout, Partitioner
 from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
 from .server import ParameterServer
 from .transport import Stopped
@@ -34,51 +38,103 @@ __all__ = ["ParameterServerStrategy"]
 
 
 class RemoteParameterStore(ParameterStore):
-    """A worker's parameter store whose central copy lives on the parameter servers."""
+    """A worker's parameter store whose central copy lives on the parameter servers:
+    variables served whole are kept here too (pulled after each push), lookup tables
+    are read by rows (:mod:`.embedding_lookup`)."""
 
     def __init__(self, parameter_device, compute_devices, copy_parameters,
-                 client: ParameterServerClient, variable_placement: str):
+                 client: ParameterServerClient, variable_placement: str,
+                 partitioner: Partitioner | None = None, serve_embedding_rows: bool = True):
         super().__init__(parameter_device, compute_devices, copy_parameters)
         # Leaves of its own even for one replica: a failed run's gradients must never
         # reach the parameter servers, which other workers share
         self.direct = False
         self.client = client
         self.variable_placement = variable_placement
+        self.partitioner = partitioner
+        self.serve_embedding_rows = serve_embedding_rows
+        self.layout: Layout | None = None
         self._ids: dict = {}          # central tensor -> variable id (creation order)
-        self._owner: list[int] = []   # variable id -> ps task
         self._optimizer = None
         self.colocations: dict = {}   # tensor -> tensor whose ps it must share
+        self.tables: dict[int, RowTable] = {}  # var id -> served by rows
+        self._sparse: set[int] = set()         # var ids of sparse=True modules
+        self._whole: list[list[torch.Tensor]] = [[] for _ in range(client.num_ps)]
+        self.served_whole: list[str] = []  # tables that could not be served by rows, why
+        self._counting_ps = 0
 
     def begin_run(self, reads: bool = True):
         self.ensure_registered()
         return super().begin_run(reads)
 
     def ensure_registered(self) -> None:
-        """Give every new variable an id and a ps; the first worker's values win."""
+        """Give every new variable an id and shards on the ps tasks; the first worker's
+        values win. Lookup tables are then served by rows and freed here."""
         tensors = self.tensors()
         if len(tensors) == len(self._ids):
             return
         index = {t: i for i, t in enumerate(tensors)}
         colocate = {index[t]: index[c] for t, c in self.colocations.items()
                     if t in index and c in index}
-        self._owner = placement([t.numel() * t.element_size() for t in tensors],
-                                self.client.num_ps, self.variable_placement, colocate)
+        self.layout = Layout.of(tensors, self.client.num_ps, self.variable_placement,
+                                colocate, self.partitioner)
         self._ids = index
-        shards: list[list] = [[] for _ in range(self.client.num_ps)]
-        for tensor, var_id in index.items():
-            shards[self._owner[var_id]].append((var_id, tensor, 0))
-        self.client.register(shards)
+        modules = list(self._adopted)
+        found, self.served_whole = find_tables(modules)
+        tables = {index[t]: found[id(t)] for t in tensors if id(t) in found} \
+            if self.serve_embedding_rows else {}
+        self._sparse = {index[m.weight] for m in modules
+                        if getattr(m, "sparse", False) is True and m.weight in index}
+        held: list[list] = [[] for _ in range(self.client.num_ps)]
+        self._whole = [[] for _ in range(self.client.num_ps)]
+        for shard in self.layout.shards:
+            tensor = tensors[shard.var]
+            piece = tensor.detach()[shard.start:shard.stop] if tensor.dim() else tensor.detach()
+            held[shard.ps].append((shard, piece, {"rows": shard.var in tables}))
+            if shard.var not in tables:
+                self._whole[shard.ps].append(piece)
+        self.client.register(held, self._whole)
+        self._counting_ps = min(k for k in range(self.client.num_ps) if held[k])
+        for var, module in tables.items():
+            self.tables[var] = RowTable(var, tuple(tensors[var].shape), var in self._sparse,
+                                        self._fetcher(var), self._assigner(var))
+            serve_by_rows(module, self.tables[var])
+        if self.served_whole and self.serve_embedding_rows:
+            warnings.warn("served whole, not by rows (read in full by every worker): " +
+                          "; ".join(self.served_whole), stacklevel=2)
 
-    def shard_of(self, tensor: torch.Tensor) -> int:
-        """The ps task that holds ``tensor``."""
+    def _fetcher(self, var: int):
+        def fetch(ids: torch.Tensor) -> torch.Tensor:
+            shape = self.layout.shapes[var]
+            rows = torch.empty((len(ids), *shape[1:]), dtype=self._dtype(var))
+            parts = self.layout.split_rows(var, ids)
+            requests: list[list] = [[] for _ in range(self.client.num_ps)]
+            for shard, where in parts:
+                if len(where):
+                    requests[shard.ps].append((shard.id, ids[where] - shard.start))
+            answers = self.client.lookup(requests, rows.dtype)
+            for shard, where in parts:
+                if len(where):
+                    rows[where] = answers[shard.ps].pop(0).view(len(where), *shape[1:])
+            return rows
+        return fetch
+
+    def _assigner(self, var: int):
+        def assign(ids: torch.Tensor, rows: torch.Tensor) -> None:
+            writes: list[list] = [[] for _ in range(self.client.num_ps)]
+            for shard, where in self.layout.split_rows(var, ids):
+                if len(where):
+                    writes[shard.ps].append((shard.id, ids[where] - shard.start, rows[where]))
+            self.client.assign(writes)
+        return assign
+
+    def _dtype(self, var: int) -> torch.dtype:
+        return next(t for t, i in self._ids.items() if i == var).dtype
+
+    def shard_devices(self, tensor: torch.Tensor) -> list[int]:
+        """The ps tasks that hold ``tensor``'s shards, in row order."""
         self.ensure_registered()
-        return self._owner[self._ids[tensor]]
-
-    def _values_by_ps(self) -> list[list[torch.Tensor]]:
-        values: list[list] = [[] for _ in range(self.client.num_ps)]
-        for tensor, var_id in sorted(self._ids.items(), key=lambda item: item[1]):
-            values[self._owner[var_id]].append(tensor)
-        return values
+        return [s.ps for s in self.layout.shards_of(self._ids[tensor])]
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.flush_pending()
@@ -86,26 +142,44 @@ class RemoteParameterStore(ParameterStore):
         if not any(self.owns(p) for p in params):
             return
         self.ensure_optimizer(optimizer)
-        shards: list[list] = [[] for _ in range(self.client.num_ps)]
+        pushes = [Push() if self._holds(k) else None for k in range(self.client.num_ps)]
         for p in params:
             if p.grad is not None and p in self._ids:
-                if p.grad.layout != torch.strided:
-                    raise RuntimeError(
-                        f"variable {self._ids[p]} (shape {tuple(p.shape)}) has a sparse "
-                        "gradient (an nn.Embedding or EmbeddingBag with sparse=True); a "
-                        "parameter-server job pushes dense gradients only: build it with "
-                        "sparse=False, or use CentralStorageStrategy")
-                shards[self._owner[self._ids[p]]].append((self._ids[p], p.grad))
+                self._add_push(pushes, self._ids[p], p.grad)
         lrs = [float(group["lr"]) for group in optimizer.param_groups]
-        self.client.push_pull(shards, lrs, self._values_by_ps())
+        self.client.push_pull(pushes, lrs, self._whole, self._counting_ps)
         for p in params:  # updated remotely: the local step must do nothing
             p.grad = None
         self.client.count_step()
+
+    def _holds(self, k: int) -> bool:
+        return any(s.ps == k for s in self.layout.shards)
+
+    def _add_push(self, pushes: list[Push], var: int, grad: torch.Tensor) -> None:
+        """A variable's gradient to the ps tasks of its shards: dense slices, or (row
+        ids, rows) of a sparse one -- to every shard, an empty part where no row fell,
+        so each shard's optimizer steps as the whole variable's would."""
+        if grad.layout == torch.sparse_coo:
+            grad = grad.coalesce()
+            ids, values = grad.indices()[0], grad.values()
+            mode = "dense" if var in self.tables and not self.tables[var].sparse \
+                else "sparse"
+            for shard, where in self.layout.split_rows(var, ids):
+                pushes[shard.ps].rows.append((shard.id, ids[where] - shard.start,
+                                              values[where], mode))
+        elif grad.layout != torch.strided:
+            raise RuntimeError(f"variable {var} has a {grad.layout} gradient; a "
+                               "parameter-server job pushes dense or sparse COO gradients")
+        else:
+            for shard in self.layout.shards_of(var):
+                piece = grad[shard.start:shard.stop] if grad.dim() else grad
+                pushes[shard.ps].dense.append((shard.id, piece))
 
     def ensure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Build ``optimizer``'s twin on every ps (once; its state lives there)."""
         self.ensure_registered()
         if self._optimizer is None:
+            check_sparse_support(optimizer, [self._name(v) for v in sorted(self._sparse)])
             groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
                       for p in group["params"] if p in self._ids}
             self.client.register_optimizer(optimizer, groups)
@@ -114,16 +188,31 @@ class RemoteParameterStore(ParameterStore):
             raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
                                "its state lives on the parameter servers")
 
+    def _name(self, var: int) -> str:
+        tensor = next(t for t, i in self._ids.items() if i == var)
+        return self.name_of(tensor)
+
     def pull(self) -> None:
         self.ensure_registered()
-        self.client.pull(self._values_by_ps())
+        self.client.pull(self._whole)
+
+
+def check_sparse_support(optimizer: torch.optim.Optimizer, sparse: list[str]) -> None:
+    """Refuse an optimizer without a sparse update for variables with sparse gradients
+    (before any step: the ps tasks would fail at the first)."""
+    name = type(optimizer).__name__
+    if sparse and name not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"{', '.join(sparse[:3])} get sparse gradients (sparse=True), which "
+                         f"{name} cannot apply; use one of {', '.join(SPARSE_OPTIMIZERS)}, "
+                         "or build the embedding with sparse=False")
 
 
 class ParameterServerClusterExtended(ParameterServerStrategyExtended):
     """The engine of a ParameterServerStrategy task (worker, chief or ps)."""
 
     def __init__(self, container, compute, parameter, options, resolver: ClusterResolver | None,
-                 variable_placement: str, timeout: float, stop: threading.Event | None = None):
+                 variable_placement: str, timeout: float, stop: threading.Event | None = None,
+                 partitioner: Partitioner | None = None, serve_embedding_rows: bool = True):
         self._resolver = resolver
         self._ps_server: ParameterServer | None = None
         self._lost: list[str] | None = None
@@ -144,7 +233,8 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
                 index = self._worker_tasks.index(me)
                 client = ParameterServerClient(resolver, timeout, stop, chief)
                 store = RemoteParameterStore(parameter, compute, options.copy_parameters,
-                                             client, variable_placement)
+                                             client, variable_placement, partitioner,
+                                             serve_embedding_rows)
             else:
                 raise ValueError(f"task type {self._task_type!r} cannot train; tasks are "
                                  "chief, worker or ps")
@@ -210,8 +300,15 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         return self._ps_server.serve(stop=stop, grace=grace)
 
     def variable_device(self, tensor: torch.Tensor) -> str:
-        """Where a variable lives: ``/job:ps/replica:0/task:k/device:CPU:0``."""
-        return f"/job:ps/replica:0/task:{self._remote().shard_of(tensor)}/device:CPU:0"
+        """Where a variable lives: ``/job:ps/replica:0/task:k/device:CPU:0``; a
+        partitioned one's shards, comma-separated in row order."""
+        return ",".join(f"/job:ps/replica:0/task:{k}/device:CPU:0"
+                        for k in self._remote().shard_devices(tensor))
+
+    def transfer_stats(self) -> dict:
+        """Bytes this worker moved to and from the ps tasks for its steps (lookups,
+        pushes, pulls), in all and per step."""
+        return self._remote().client.transfer_stats()
 
     @property
     def global_step(self) -> int:
@@ -222,10 +319,12 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         """Fetch the current values of every variable from the parameter servers."""
         self._remote().pull()
 
-    def ps_state(self) -> list[dict]:
-        """Every ps shard's values and optimizer state (for the chief's checkpoints)."""
-        self._remote().ensure_registered()
-        return self._remote().client.state()
+    def ps_state(self) -> dict:
+        """Every variable's value and optimizer state, whole (its shards joined), from
+        the ps tasks (for the chief's checkpoints; :mod:`.sharded_state`)."""
+        store = self._remote()
+        store.ensure_registered()
+        return whole_state(store.client.state(), store.layout)
 
     def load_ps_state(self, states: list[dict],
                       optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -234,13 +333,32 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         Pass the ``optimizer`` (made in ``scope()``) to restore its state too: the ps
         tasks build theirs from it first, so its state has somewhere to go.
         """
-        self._remote().ensure_registered()
+        store = self._remote()
+        store.ensure_registered()
         if optimizer is not None:
-            self._remote().ensure_optimizer(optimizer)
-        self._remote().client.load(states)
+            store.ensure_optimizer(optimizer)
+        if isinstance(states, dict) and states.get("format") == FORMAT:
+            states = split_state(states, store.layout, store.client.state())
+        elif any(store.layout.partitioned(v) for v in range(len(store.layout.shapes))):
+            raise ValueError("the checkpoint holds the ps tasks' state of an earlier csrun, "
+                             "by ps task; resume it without strategy.variable_partitioner "
+                             "(and with the same ps count), then save again")
+        store.client.load(states)
         # every push reaches every ps that holds variables: the busiest one counted them all
-        self._remote().client.set_global_step(max(int(s.get("version", 0)) for s in states))
+        store.client.set_global_step(max(int(s.get("version", 0)) for s in states))
         self.pull()
+
+    def set_worker_steps(self, step: int) -> None:
+        """A restored job: every worker has done ``step`` steps (it starts there) and the
+        global step is their sum."""
+        client = self._remote().client
+        client.set_steps(step)
+        client.set_global_step(step * len(self._worker_tasks))
+
+    def steps_done(self, task: str | None = None) -> int | None:
+        """Steps the ps tasks applied for ``task`` (default: this worker) in this job;
+        None before its first (a restarted worker continues there)."""
+        return self._remote().client.steps_done(task)
 
     def mark_initialized(self, info: dict | None = None) -> None:
         """Chief: the variables hold their starting values; other workers may go on.
@@ -314,8 +432,10 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         """
         client = self._remote().client
         lost = self.wait_for_workers(timeout, report) if self.is_chief else []
+        client.publish_transfers()
         client.finish()
         if self.is_chief:
+            self.transfers = client.transfers()
             self.ps_logs = client.end_job()
         return lost
 
@@ -370,6 +490,10 @@ class ParameterServerStrategy(Strategy):
       timeout: seconds to wait for the parameter servers, and the bound of every store
         call and of the chief's silence (heartbeat) before a task gives up.
       options: csrun engine settings.
+      variable_partitioner: TF's ``FixedShardsPartitioner`` or ``MinSizePartitioner``
+        (:mod:`.sharded_variable`): variables split along dim 0 over the ps tasks.
+      serve_embedding_rows: embedding tables are read by rows (False: served whole, the
+        full table pushed and pulled every step, as csrun did before).
       stop: an event a signal handler sets: the waits for the ps tasks and the chief
         then end with :class:`~csrun.core.cluster.transport.Stopped`.
 
@@ -390,7 +514,9 @@ class ParameterServerStrategy(Strategy):
                  task_id=None, compute_devices: Iterable | None = None,
                  variable_placement: str = "round_robin", timeout: float = 120.0,
                  options: StrategyOptions | None = None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None,
+                 variable_partitioner: Partitioner | None = None,
+                 serve_embedding_rows: bool = True):
         resolver = _resolve_cluster(cluster_resolver, cluster_spec, task_type, task_id)
         if compute_devices is not None:
             compute = resolve_devices(compute_devices)
@@ -405,7 +531,7 @@ class ParameterServerStrategy(Strategy):
                              f"{variable_placement!r}")
         super().__init__(ParameterServerClusterExtended(
             self, compute, parameter, options or StrategyOptions(), resolver,
-            variable_placement, timeout, stop))
+            variable_placement, timeout, stop, variable_partitioner, serve_embedding_rows))
 
     def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None):
         if session_config is not None:

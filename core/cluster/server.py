@@ -19,8 +19,8 @@ import torch
 
 from .heartbeat import ChiefGone, ChiefWatch
 from .resolvers import ClusterResolver
-from .transport import (ABORTED, BYE, FOREVER, LOAD, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
-                        REGISTER, STATE, BoundedStore, Channel, DuplicateTask, agree,
+from .transport import (ABORTED, ASSIGN, BYE, FOREVER, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL,
+                        REFUSED, REGISTER, STATE, BoundedStore, Channel, DuplicateTask, agree,
                         connect_store, decode, encode, flat_by_dtype, gloo_device, pack_state,
                         poll_until, settings_from_json, store_host, transport_error,
                         unflatten_into, unpack_state, views_like)
@@ -52,8 +52,9 @@ class ParameterServer:
         self._claim()
         self._watch = ChiefWatch(self._store, chief, timeout) if chief else None
         self._device = gloo_device(store_host(resolver))
-        self._vars: dict[int, torch.Tensor] = {}
-        self._groups: dict[int, int] = {}
+        self._vars: dict[int, torch.Tensor] = {}   # shard id -> its rows
+        self._specs: dict[int, dict] = {}          # shard id -> var, start, rows?, group
+        self._group_of: dict[int, dict] = {}       # id(shard) -> its optimizer group
         self._optimizer = None
         self._lock = threading.Lock()
         self.version = 0
@@ -134,7 +135,8 @@ class ParameterServer:
             thread.join(timeout=5)
         with self._lock:
             self._store.set(f"ps/{self.task_id}/log", json.dumps(
-                {"updates": self.updates, "recent": list(self.log)}))
+                {"updates": self.updates, "recent": list(self.log),
+                 "held_bytes": self.held_bytes(), "shards": len(self._vars)}))
         self._store.set(f"ps/{self.task_id}/stopped", "1")
         if self.task_id == 0:  # the store lives here: stay until the chief is done with it
             poll_until(lambda: self._store.check(["job/closed"]),
@@ -168,11 +170,16 @@ class ParameterServer:
     def _answer(self, op: int, payload: list[torch.Tensor], worker: str) -> list[torch.Tensor]:
         with self._lock:
             if op == REGISTER:
-                self._register(decode(payload[0]), payload[1:])
-            elif op == OPTIMIZER:
+                return self._register(decode(payload[0]), payload[1:])
+            if op == LOOKUP:
+                return self._lookup(decode(payload[0]), payload[1])
+            if op == ASSIGN:
+                self._assign(decode(payload[0]), payload[1], payload[2:])
+                return []
+            if op == OPTIMIZER:
                 self._make_optimizer(decode(payload[0]))
             elif op == PUSH_PULL:
-                self._apply(decode(payload[0]), payload[1:], worker)
+                self._apply(decode(payload[0]), payload[1], payload[2:], worker)
             elif op == STATE:
                 return [pack_state(self.state_dict())]
             elif op == LOAD:
@@ -183,73 +190,162 @@ class ParameterServer:
 
     # -- variables -------------------------------------------------------------------------
     def _values(self) -> list[torch.Tensor]:
-        return flat_by_dtype([self._vars[i] for i in sorted(self._vars)]) if self._vars else []
+        """The values of the shards served whole (a worker reads table rows by lookups)."""
+        whole = [self._vars[i] for i in sorted(self._vars) if not self._specs[i]["rows"]]
+        return flat_by_dtype(whole) if whole else []
 
-    def _register(self, meta: dict, flats: list[torch.Tensor]) -> None:
-        specs = sorted(meta["vars"], key=lambda v: v["id"])
-        if self._vars:  # the first worker's values initialize the shard; later ones pull
+    def _register(self, meta: dict, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The first worker's values initialize the shards; later ones take them. A
+        worker offers its values only when asked (``need_values``): a table of a GiB is
+        not sent by every worker."""
+        specs = sorted(meta["shards"], key=lambda v: v["id"])
+        if self._vars:
             self._check_same_model(specs)
-            return
+            return [encode({"need_values": False})] + self._values()
+        if not meta.get("with_values"):
+            return [encode({"need_values": True})]
         variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for v in specs]
         unflatten_into(variables, flats)
         for spec, tensor in zip(specs, variables):
             self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
-            self._groups[spec["id"]] = spec.get("group", 0)
+            self._specs[spec["id"]] = spec
+        return [encode({"need_values": False})] + self._values()
 
     def _check_same_model(self, specs: list[dict]) -> None:
-        """A worker whose model differs from the first one's would push gradients that do
-        not fit: refuse it, naming the first variable that differs."""
-        theirs = {v["id"]: (v["dtype"], list(v["shape"])) for v in specs}
-        ours = {i: (str(t.dtype).replace("torch.", ""), list(t.shape))
-                for i, t in self._vars.items()}
-        for var_id in sorted(set(ours) | set(theirs)):
-            if ours.get(var_id) != theirs.get(var_id):
+        """A worker whose model (or partitioning) differs from the first one's would push
+        gradients that do not fit: refuse it, naming the first shard that differs."""
+        def key(spec):
+            return (spec["var"], spec["start"], spec["dtype"], list(spec["shape"]))
+        theirs = {v["id"]: key(v) for v in specs}
+        ours = {i: key(v) for i, v in self._specs.items()}
+        for shard in sorted(set(ours) | set(theirs)):
+            if ours.get(shard) != theirs.get(shard):
                 def shown(spec):
-                    return f"{spec[0]} {spec[1]}" if spec else "none"
+                    return (f"variable {spec[0]} rows {spec[1]}.. {spec[2]} {spec[3]}"
+                            if spec else "nothing")
                 raise _Refused(
-                    f"this worker's model differs from the job's: variable {var_id} (in "
-                    f"creation order) on ps:{self.task_id} is {shown(ours.get(var_id))} in "
-                    f"the job, {shown(theirs.get(var_id))} here; every worker must build "
-                    "the same model")
+                    f"this worker's model or partitioning differs from the job's: shard "
+                    f"{shard} on ps:{self.task_id} is {shown(ours.get(shard))} in the job, "
+                    f"{shown(theirs.get(shard))} here; every task must build the same "
+                    "model with the same strategy.variable_partitioner")
+
+    def _lookup(self, meta: dict, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The rows ``ids`` (shard-local) of each requested shard, in request order."""
+        rows = [table.detach().index_select(0, wanted)
+                for table, wanted in self._requested(meta, ids)]
+        return flat_by_dtype(rows) if rows else []
+
+    def _assign(self, meta: dict, ids: torch.Tensor, flats: list[torch.Tensor]) -> None:
+        """Write rows of tables (a worker's ``load_state_dict``)."""
+        requested = self._requested(meta, ids)
+        shapes = [torch.empty((len(w), *t.shape[1:]), dtype=t.dtype, device="meta")
+                  for t, w in requested]
+        with torch.no_grad():
+            for (table, wanted), rows in zip(requested, views_like(shapes, flats)):
+                table.index_copy_(0, wanted, rows)
+
+    def _requested(self, meta: dict, ids: torch.Tensor) -> list[tuple]:
+        """(table shard, shard-local row ids) per request, each checked."""
+        requested, offset = [], 0
+        for shard, count in meta["shards"]:
+            table = self._vars.get(shard)
+            if table is None or not self._specs[shard]["rows"]:
+                raise _Refused(f"ps:{self.task_id} serves no table rows as shard {shard}")
+            wanted = ids[offset:offset + count]
+            offset += count
+            if count and (int(wanted.min()) < 0 or int(wanted.max()) >= table.shape[0]):
+                raise _Refused(f"a request for shard {shard} names rows outside "
+                               f"0..{table.shape[0] - 1}")
+            requested.append((table, wanted))
+        return requested
 
     def _make_optimizer(self, spec: dict) -> None:
         if self._optimizer is not None or not self._vars:
             return
         cls = getattr(torch.optim, spec["class"], None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise RuntimeError(f"optimizer {spec['class']!r} is not a torch.optim optimizer")
-        for var_id, group in spec.get("var_groups", {}).items():
-            if int(var_id) in self._groups:
-                self._groups[int(var_id)] = group
+            raise _Refused(f"optimizer {spec['class']!r} is not a torch.optim optimizer")
+        var_groups = {int(k): g for k, g in spec.get("var_groups", {}).items()}
+        for shard_spec in self._specs.values():
+            shard_spec["group"] = var_groups.get(shard_spec["var"], 0)
         groups, self._group_index = [], []
         for index, settings in enumerate(spec["groups"]):
-            params = [self._vars[i] for i in sorted(self._vars) if self._groups[i] == index]
+            params = [self._vars[i] for i in sorted(self._vars)
+                      if self._specs[i]["group"] == index]
             if params:
                 groups.append({**settings_from_json(settings), "params": params})
                 self._group_index.append(index)
         self._optimizer = cls(groups, **settings_from_json(spec["defaults"]))
+        self._group_of = {id(p): g for g in self._optimizer.param_groups for p in g["params"]}
 
-    def _apply(self, meta: dict, flats: list[torch.Tensor], worker: str) -> None:
+    def _apply(self, meta: dict, ids: torch.Tensor, flats: list[torch.Tensor],
+               worker: str) -> None:
+        """Apply one worker's push: dense gradients of whole shards, and (row ids, rows)
+        of others, then count it (the counting ps also keeps the job's step books)."""
         if self._optimizer is None:
-            raise RuntimeError("a gradient arrived before the optimizer was registered")
-        targets = [self._vars[i] for i in meta["ids"]]
-        grads = views_like(targets, flats)  # the received buffers themselves, no copy
+            raise _Refused("a gradient arrived before the optimizer was registered")
+        dense = [self._vars[i] for i in meta["dense"]]
+        rows = meta.get("rows", [])
+        shapes = dense + [torch.empty((n, *self._vars[s].shape[1:]), device="meta",
+                                      dtype=self._vars[s].dtype) for s, n, _ in rows]
+        grads = views_like(shapes, flats)  # the received buffers themselves, no copy
         for tensor in self._vars.values():
             tensor.grad = None
-        for tensor, grad in zip(targets, grads):
+        for tensor, grad in zip(dense, grads):
             tensor.grad = grad
+        offset = 0
+        for (shard, count, mode), values in zip(rows, grads[len(dense):]):
+            table = self._vars[shard]
+            table.grad = self._row_grad(table, ids[offset:offset + count], values, mode)
+            offset += count
         lrs = meta.get("lrs", [])
         for group, index in zip(self._optimizer.param_groups, self._group_index):
             if index < len(lrs):  # the worker's LR schedule drives the ps's optimizer
                 group["lr"] = lrs[index]
-        self._optimizer.step()
+        try:
+            self._optimizer.step()
+        except RuntimeError as exc:  # e.g. an optimizer without sparse updates
+            raise _Refused(f"ps:{self.task_id} cannot apply the update with "
+                           f"{type(self._optimizer).__name__}: {exc}") from None
         self.version += 1
         self.log.append((worker, self.version))
         self.updates[worker] = self.updates.get(worker, 0) + 1
+        if meta.get("count"):  # counted where it was applied: the books agree exactly
+            self._store.add(f"steps/{worker}", 1)
+            self._store.add("global_step", 1)
+
+    def _row_grad(self, table: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+                  mode: str) -> torch.Tensor:
+        """The gradient of pushed rows: sparse (the optimizer's sparse update, as torch
+        applies a ``sparse=True`` embedding's), or, for a table the model reads densely,
+        the dense gradient those rows stand for -- zero elsewhere, so every row steps as
+        in a plain loop (plain SGD moves only those rows either way: given sparse)."""
+        group = self._group_of[id(table)]
+        plain_sgd = isinstance(self._optimizer, torch.optim.SGD) and \
+            not group.get("momentum") and not group.get("weight_decay")
+        if mode == "sparse" or plain_sgd:
+            return torch.sparse_coo_tensor(ids.unsqueeze(0), values, table.shape,
+                                           is_coalesced=True, check_invariants=False)
+        return torch.zeros_like(table).index_add_(0, ids, values)
+
+    def held_bytes(self) -> int:
+        """Bytes of the shards and their optimizer state this ps holds."""
+        total = sum(t.numel() * t.element_size() for t in self._vars.values())
+        state = self._optimizer.state.values() if self._optimizer is not None else ()
+        for slots in state:
+            total += sum(v.numel() * v.element_size() for v in slots.values()
+                         if isinstance(v, torch.Tensor))
+        return total
 
     def state_dict(self) -> dict:
+        """Values by shard id, the optimizer's state, and which shard each of its
+        parameter indexes is (``order``), for :mod:`.sharded_state`."""
+        shard_of = {id(t): i for i, t in self._vars.items()}
+        order = [shard_of[id(p)] for g in self._optimizer.param_groups
+                 for p in g["params"]] if self._optimizer else []
         return {"values": {i: t.detach().clone() for i, t in self._vars.items()},
                 "optimizer": self._optimizer.state_dict() if self._optimizer else None,
+                "order": order, "groups": list(getattr(self, "_group_index", [])),
                 "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:

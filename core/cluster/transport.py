@@ -45,7 +45,8 @@ from .resolvers import ClusterResolver
 
 __all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
 
-REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED = range(1, 10)
+(REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED, LOOKUP,
+ ASSIGN) = range(1, 12)
 _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
@@ -325,6 +326,7 @@ class Channel:
         self._pg = gloo_group(dist.PrefixStore(prefix, store), rank, 2, timeout, device)
         self._peer = 1 - rank
         self._lock = threading.Lock()
+        self.sent_bytes = self.received_bytes = 0  # payloads, headers included
 
     def send(self, op: int, payload: list[torch.Tensor]) -> None:
         if len(payload) > (_HEADER - 2) // 2:
@@ -335,6 +337,7 @@ class Channel:
             header[2 + 2 * i] = _CODE[tensor.dtype]
             header[3 + 2 * i] = tensor.numel()
         flat = [tensor.contiguous().view(-1) for tensor in payload]
+        self.sent_bytes += _HEADER * 8 + sum(t.numel() * t.element_size() for t in flat)
         with self._lock:  # all posted, then waited for: one wait, not one per tensor
             works = [self._pg.send([header], self._peer, 0)] + [
                 self._pg.send([tensor], self._peer, 1 + i) for i, tensor in enumerate(flat)]
@@ -352,6 +355,8 @@ class Channel:
                      for i, tensor in enumerate(payload)]
             for work in works:
                 work.wait()
+        self.received_bytes += _HEADER * 8 + sum(t.numel() * t.element_size()
+                                                 for t in payload)
         return op, payload
 
 

@@ -1,0 +1,163 @@
+"""Embedding tables served by rows: a worker reads only the rows its batch looks up.
+
+In a parameter-server job, an ``nn.Embedding`` or ``nn.EmbeddingBag`` whose weight only
+that module uses (TF's ``embedding_lookup`` on a ``ShardedVariable``) is not kept on the
+worker: its local weight becomes a one-element placeholder of the table's shape, and the
+module's forward asks the ps tasks that own the looked-up rows for them (one request per
+ps per lookup). The backward gives the placeholder a sparse gradient over those rows,
+which travels to the ps tasks as (row ids, rows): a worker's memory and traffic follow
+the batch, not the table.
+
+A table used otherwise too (a tied output layer reads it whole) or with ``max_norm``
+(which renormalizes rows in place) is served whole, as any other variable.
+
+``state_dict()`` of such a module holds the whole table, read from the ps tasks (so
+checkpoints, exports and digests see the model's own keys and shapes); its
+``load_state_dict()`` writes the rows there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows"]
+
+# torch optimizers with a sparse update (checked against torch by the tests)
+SPARSE_OPTIMIZERS = ("SGD", "Adagrad", "SparseAdam")
+_LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+READ_CHUNK_ROWS = 65536  # rows per request when a whole table is read (state_dict)
+
+
+@dataclasses.dataclass
+class RowTable:
+    """A table served by rows: variable ``var`` of the job, read by ``fetch(ids)``
+    (sorted unique row ids -> rows) and written by ``assign(ids, rows)``."""
+
+    var: int
+    shape: tuple[int, ...]
+    sparse: bool  # the module's own sparse=True: the optimizer's sparse update applies
+    fetch: Callable[[torch.Tensor], torch.Tensor]
+    assign: Callable[[torch.Tensor, torch.Tensor], None]
+
+    def read_all(self) -> torch.Tensor:
+        rows = [self.fetch(torch.arange(a, min(a + READ_CHUNK_ROWS, self.shape[0])))
+                for a in range(0, self.shape[0], READ_CHUNK_ROWS)]
+        return torch.cat(rows) if rows else torch.empty(self.shape)
+
+
+def find_tables(modules) -> tuple[dict[int, torch.nn.Module], list[str]]:
+    """Of ``modules``' parameters, the lookup tables to serve by rows (``id(weight)`` ->
+    its module), and the names of tables that must be served whole, with why."""
+    uses: dict[int, int] = {}
+    for module in modules:
+        for _, value in module.named_parameters(recurse=False, remove_duplicate=False):
+            uses[id(value)] = uses.get(id(value), 0) + 1
+    tables, whole = {}, []
+    for module in modules:
+        if not isinstance(module, _LOOKUP_MODULES) or module.weight is None:
+            continue
+        weight = module.weight
+        label = f"{type(module).__name__}({weight.shape[0]}, {weight.shape[1]})"
+        if uses[id(weight)] > 1:
+            whole.append(f"{label}: its weight is also another module's (tied)")
+        elif module.max_norm is not None:
+            whole.append(f"{label}: max_norm renormalizes looked-up rows in place")
+        else:
+            tables[id(weight)] = module
+    return tables, whole
+
+
+class _Rows(torch.autograd.Function):
+    """The fetched rows of a table, differentiable into the table as a sparse gradient
+    over exactly those rows (what ``F.embedding(..., sparse=True)`` gives)."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, rows):
+        ctx.ids, ctx.shape = ids, weight.shape
+        return rows.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        sparse = torch.sparse_coo_tensor(ctx.ids.unsqueeze(0), grad, ctx.shape,
+                                         is_coalesced=True, check_invariants=False)
+        return sparse, None, None
+
+
+def _rows_for(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
+    """(input remapped to the fetched rows, the rows, padding_idx remapped)."""
+    unique, inverse = torch.unique(input, return_inverse=True)
+    for row in (unique[:1], unique[-1:]):
+        if row.numel() and not 0 <= int(row) < table.shape[0]:
+            raise IndexError(f"index out of range in self: {type(module).__name__} has "
+                             f"{table.shape[0]} rows, the input holds row {int(row)}")
+    rows = _Rows.apply(module.weight, unique, table.fetch(unique))
+    pad = None
+    if module.padding_idx is not None:
+        hit = (unique == module.padding_idx).nonzero()
+        pad = int(hit[0]) if len(hit) else None
+    return inverse, rows, pad
+
+
+def _embedding_forward(module: torch.nn.Embedding, table: RowTable):
+    def forward(input):
+        inverse, rows, pad = _rows_for(module, table, input)
+        return F.embedding(inverse, rows, pad, None, module.norm_type,
+                           module.scale_grad_by_freq, False)
+    return forward
+
+
+def _bag_forward(module: torch.nn.EmbeddingBag, table: RowTable):
+    def forward(input, offsets=None, per_sample_weights=None):
+        inverse, rows, pad = _rows_for(module, table, input)
+        return F.embedding_bag(inverse, rows, offsets, None, module.norm_type,
+                               module.scale_grad_by_freq, module.mode, False,
+                               per_sample_weights, module.include_last_offset, pad)
+    return forward
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """One element standing for the whole table: its shape, none of its memory."""
+    return torch.zeros(1, dtype=tensor.dtype, device=tensor.device).as_strided(
+        tensor.shape, [0] * tensor.dim())
+
+
+def serve_by_rows(module: torch.nn.Module, table: RowTable) -> None:
+    """Make ``module`` read ``table`` by rows from now on; free its local weight."""
+    with torch.no_grad():
+        module.weight.data = _placeholder(module.weight)
+    is_bag = isinstance(module, torch.nn.EmbeddingBag)
+    module.forward = _bag_forward(module, table) if is_bag else \
+        _embedding_forward(module, table)
+    loaded: list[str] = []
+    lock = threading.Lock()
+
+    def save(mod, state, prefix, local_metadata):
+        if prefix + "weight" in state:
+            state[prefix + "weight"] = table.read_all()
+
+    def load_pre(mod, state, prefix, *args):
+        value = state.pop(prefix + "weight", None)
+        if value is not None:
+            if tuple(value.shape) != table.shape:
+                raise RuntimeError(f"size mismatch for {prefix}weight: copying a param "
+                                   f"with shape {tuple(value.shape)}, the table is "
+                                   f"{table.shape}")
+            table.assign(torch.arange(table.shape[0]), value.to(mod.weight.dtype))
+            with lock:
+                loaded.append(prefix + "weight")
+
+    def load_post(mod, incompatible):
+        with lock:
+            for key in loaded:
+                if key in incompatible.missing_keys:
+                    incompatible.missing_keys.remove(key)
+            loaded.clear()
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load_pre)
+    module.register_load_state_dict_post_hook(load_post)
