@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -197,10 +198,10 @@ def task(args) -> int:
     dense_bytes = sum(p.numel() * 4 for n, p in model.named_parameters()
                       if not n.startswith("tables."))
     table_bytes = sum(rows * args.dim * 4 for rows in tables)
-    bounds: list[dict] = []
+    looked_up: list[tuple] = []  # each step's ids (this worker's slice), for the bound
 
     def step(dense, labels, *ids):
-        bounds.append(touched_bytes(ids, tables, args.dim, dense_bytes, num_ps))
+        looked_up.append(ids)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
             model(dense, *ids), labels, reduction="sum") / args.batch
         loss.backward()
@@ -211,7 +212,7 @@ def task(args) -> int:
         for i, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
             if i == args.warmup:
                 barrier(Path(args.barrier), args.parties)
-                first, begin, bounds = transfer_stats(strategy), time.time(), []
+                first, begin, looked_up = transfer_stats(strategy), time.time(), []
             optimizer.zero_grad(set_to_none=True)
             loss, count = strategy.reduce("SUM", strategy.run(step, args=batch), axis=None)
             optimizer.step()
@@ -219,10 +220,13 @@ def task(args) -> int:
             examples += int(count) if i >= args.warmup else 0
     end, last, steady = time.time(), transfer_stats(strategy), memory()
     strategy.extended.finish()
+    bounds = [touched_bytes(ids, tables, args.dim, dense_bytes, num_ps) for ids in looked_up]
+    logs = getattr(strategy.extended, "ps_logs", None) or []  # the chief's, at the end
     Path(args.result).write_text(json.dumps({
         "begin": begin, "end": end, "examples": examples, "losses": losses,
         "steps": args.steps, "stats": _delta(first, last), "bounds": bounds,
         "dense_bytes": dense_bytes, "table_bytes": table_bytes,
+        "ps_held_bytes": [log.get("held_bytes") for log in logs],
         "memory": {"before_model": before_model["rss"], "steady": steady["rss"],
                    "peak": steady["maxrss"]}}))
     return 0
@@ -243,9 +247,9 @@ def barrier(folder: Path, parties: int) -> None:
 
 # -- the driver -------------------------------------------------------------------------
 def variant(name: str, model: str, serve: str, workers: int = 1, ps: int = 1,
-            steps: int | None = None) -> dict:
+            steps: int | None = None, batch: int | None = None) -> dict:
     return {"name": name, "model": model, "serve": serve, "workers": workers, "ps": ps,
-            "steps": steps}
+            "steps": steps, "batch": batch}
 
 
 def tables_of(model: str, args) -> list[int]:
@@ -268,7 +272,7 @@ def run_variant(spec: dict, args, folder: Path, hosts=None) -> dict:
     tables = tables_of(spec["model"], args)
     common = [sys.executable, __file__, "--tables", ",".join(map(str, tables)),
               "--serve", spec["serve"], "--steps", str(spec["steps"] or args.steps),
-              "--warmup", str(args.warmup), "--batch", str(args.batch), "--dim", str(args.dim),
+              "--warmup", str(args.warmup), "--batch", str(spec["batch"] or args.batch), "--dim", str(args.dim),
               "--hotness", str(args.hotness), "--zipf", str(args.zipf), "--optimizer",
               args.optimizer, "--lr", str(args.lr), "--barrier", str(barrier_dir),
               "--parties", str(workers)] + (["--dense-grads"] if not args.sparse else []) + (
@@ -308,7 +312,8 @@ def figures(spec: dict, tables: list[int], args, results: dict) -> dict:
         s["pushed_bytes"] + s["pulled_bytes"] for s in stats) / sum(s["steps"] for s in stats)
     losses = workers[0]["losses"]
     head, tail = losses[:5], losses[-5:]
-    return {**spec, "steps": workers[0]["steps"], "tables": tables,
+    return {**spec, "steps": workers[0]["steps"], "batch": spec["batch"] or args.batch,
+            "tables": tables,
             "examples_per_s": examples / span, "seconds": span, "examples": examples,
             "first_loss": sum(head) / len(head), "final_loss": sum(tail) / len(tail),
             "bytes_per_step": measured if measured is not None else (
@@ -318,7 +323,9 @@ def figures(spec: dict, tables: list[int], args, results: dict) -> dict:
             "bound_bytes_per_step": 2 * mean("one_way"),
             "busiest_ps_bytes_per_step": mean("busiest_ps"),
             "unique_rows_per_step": mean("unique_rows"), "lookups_per_step": mean("lookups"),
-            "worker_memory": workers[0]["memory"], "ps_memory": ps[0]["memory"]["maxrss"]}
+            "worker_memory": workers[0]["memory"], "ps_memory": ps[0]["memory"]["maxrss"],
+            "ps_held_bytes": next((w["ps_held_bytes"] for w in workers if w["ps_held_bytes"]),
+                                  None)}
 
 
 def features() -> dict:
@@ -335,11 +342,13 @@ NO_ROWS = ("this csrun has no ParameterServerStrategy(serve_embedding_rows=...):
            "rows serving not measured")
 
 
-def side_by_side(model: str, args, folder: Path, dense_steps: int, have: dict) -> dict:
-    """``model`` with rows served and with whole tables, 1 worker + 1 ps on loopback."""
-    out = {"dense": run_variant(variant(f"{model}-dense", model, "dense",
-                                        steps=dense_steps), args, folder)}
-    out["rows"] = run_variant(variant(f"{model}-rows", model, "rows"), args, folder) \
+def side_by_side(model: str, args, folder: Path, have: dict, rows_steps: int,
+                 dense_steps: int, batch: int | None = None) -> dict:
+    """``model`` with whole tables and with rows served, 1 worker + 1 ps on loopback."""
+    out = {"dense": run_variant(variant(f"{model}-dense", model, "dense", steps=dense_steps,
+                                        batch=batch), args, folder)}
+    out["rows"] = run_variant(variant(f"{model}-rows", model, "rows", steps=rows_steps,
+                                      batch=batch), args, folder) \
         if have["serve_embedding_rows"] else {"skipped": NO_ROWS}
     for name in ("rows", "dense"):
         print(variant_row(name, out[name]), flush=True)
@@ -347,7 +356,7 @@ def side_by_side(model: str, args, folder: Path, dense_steps: int, have: dict) -
 
 
 def measure_bytes(args, folder: Path, have: dict) -> dict:
-    out = side_by_side("dlrm", args, folder, args.dense_steps, have)
+    out = side_by_side("dlrm", args, folder, have, args.steps, args.dense_steps)
     for v in out.values():
         if v.get("bytes_per_step") is not None:
             v["of_bound"] = v["bytes_per_step"] / v["bound_bytes_per_step"]
@@ -355,18 +364,29 @@ def measure_bytes(args, folder: Path, have: dict) -> dict:
 
 
 def measure_speed(args, folder: Path, have: dict) -> dict:
-    out = side_by_side("one_1m", args, folder, args.dense_steps, have)
-    if "skipped" not in out["rows"]:
-        out["speedup"] = out["rows"]["examples_per_s"] / out["dense"]["examples_per_s"]
-    return out
+    """Rows served against whole tables on the 1M x 32 table, ``--rounds`` pairs at each
+    batch of ``--speed-batches`` (whole tables cost the same per step at any batch, rows
+    served cost per example: the speedup falls as the batch grows). The target is
+    judged at ``--batch``."""
+    sweep = []
+    for batch in sorted({args.batch, *args.speed_batches}):
+        pairs = [side_by_side("one_1m", args, folder, have, args.steps, args.dense_steps,
+                              batch) for _ in range(args.rounds)]
+        cell = {"batch": batch, "rounds": pairs}
+        if have["serve_embedding_rows"]:
+            ratios = [p["rows"]["examples_per_s"] / p["dense"]["examples_per_s"] for p in pairs]
+            cell.update(speedup=statistics.median(ratios), speedup_min=min(ratios),
+                        speedup_max=max(ratios))
+            print(f"  batch {batch}: rows / whole tables {cell['speedup']:.1f}x "
+                  f"(rounds {', '.join(f'{r:.1f}' for r in ratios)})", flush=True)
+        sweep.append(cell)
+    judged = next(c for c in sweep if c["batch"] == args.batch)
+    return {"batch": args.batch, "speedup": judged.get("speedup"), "sweep": sweep,
+            "rows": judged["rounds"][0]["rows"], "dense": judged["rounds"][0]["dense"]}
 
 
 def measure_memory(args, folder: Path, have: dict) -> dict:
-    steps, args.steps = args.steps, args.memory_steps
-    try:
-        return side_by_side("one_1gib", args, folder, args.memory_steps, have)
-    finally:
-        args.steps = steps
+    return side_by_side("one_1gib", args, folder, have, args.memory_steps, args.memory_steps)
 
 
 def link_bound(row: dict, rate: float, batch: int) -> float:
@@ -395,10 +415,12 @@ def measure_links(args, folder: Path, have: dict) -> dict:
             out["shaping"] = hosts.shaping
         row["bound_examples_per_s"] = link_bound(row, RATES[args.links], args.batch)
         row["of_bound"] = row["examples_per_s"] / row["bound_examples_per_s"]
+        if row["bytes_per_step"] is not None:
+            row["bytes_of_bound"] = row["bytes_per_step"] / row["bound_bytes_per_step"]
         out["rows"].append(row)
-        print(f"links {args.links} {workers}w {ps}ps: {row['examples_per_s']:10.0f} ex/s, "
-              f"bound {row['bound_examples_per_s']:10.0f} ({row['of_bound']:.2f} of it)",
-              flush=True)
+        print(f"  {args.links} {workers}w {ps}ps: {row['examples_per_s']:8.0f} ex/s, bound "
+              f"{row['bound_examples_per_s']:8.0f} ({row['of_bound']:.2f} of it); bytes "
+              f"{row.get('bytes_of_bound', float('nan')):.2f}x the touched rows'", flush=True)
     return out
 
 
@@ -479,9 +501,12 @@ def main(argv=None) -> int:
     add("--measures", default="bytes,speed,links,memory", help="which, comma-separated")
     add("--steps", type=int, default=100, help="measured steps per worker, rows served")
     add("--dense-steps", type=int, default=4, help="measured steps, whole tables")
-    add("--links-steps", type=int, default=40, help="measured steps per --links cell")
+    add("--links-steps", type=int, default=100, help="measured steps per --links cell")
     add("--memory-steps", type=int, default=3, help="measured steps, 1 GiB table")
     add("--warmup", type=int, default=2, help="steps before measuring")
+    add("--rounds", type=int, default=2, help="speed: pairs (whole tables, rows) per batch")
+    add("--speed-batches", type=lambda t: [int(n) for n in t.split(",")],
+        default=[512, 8192], help="speed: global batches besides --batch")
     add("--batch", type=int, default=2048, help="global batch")
     add("--dim", type=int, default=32, help="embedding width")
     add("--hotness", type=int, default=2, help="ids per bag (all tables but the last)")
@@ -510,6 +535,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.rows_scale, args.batch, args.warmup = 0.001, 128, 1
         args.steps, args.dense_steps, args.links_steps, args.memory_steps = 5, 2, 3, 2
+        args.rounds, args.speed_batches = 1, []
     unknown = set(args.measures.split(",")) - set(MEASURES)
     if unknown:
         parser.error(f"--measures: unknown {sorted(unknown)}; choose from {list(MEASURES)}")
