@@ -236,7 +236,7 @@ def task(args) -> int:
 def _delta(first: dict | None, last: dict | None) -> dict | None:
     if first is None or last is None:
         return None
-    return {k: last[k] - first.get(k, 0) for k in last if isinstance(last[k], (int, float))}
+    return {k: last[k] - first[k] for k in ("steps", "pushed_bytes", "pulled_bytes")}
 
 
 def barrier(folder: Path, parties: int) -> None:
