@@ -391,6 +391,11 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         """The other workers that neither finished nor were lost, so far."""
         return self._remote().client.unfinished(self._others())
 
+    @property
+    def worker_tasks(self) -> list[str]:
+        """The tasks that train: ``chief:0`` (if any), then ``worker:0``, ``worker:1`` ..."""
+        return list(self._worker_tasks)
+
     def _others(self) -> list[str]:
         me = f"{self._task_type}:{self._task_id}"
         return [t for t in self._worker_tasks if t != me]
