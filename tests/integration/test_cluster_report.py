@@ -25,6 +25,23 @@ train: {steps: STEPS, log_every: 10}
 """
 
 
+SLOW_MLP = """\
+import time
+import torch
+
+
+class SlowMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        time.sleep(0.03)
+        return self.net(x)
+"""
+
+
 class Job(ClusterTasks):
     """A chief, a worker and a ps as `csrun train` processes with their TF_CONFIG."""
 
@@ -95,3 +112,29 @@ def test_the_global_steps_in_the_final_reports_agree(job):
     assert final["global_step_when"] == "the job ended"
     assert mine["global_step"] <= final["global_step"]
     assert "when this worker finished" in cluster.log("worker")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_restarted_worker_continues_at_its_step_and_the_counts_agree(job, resume):
+    """A restarted worker trains no step twice (with or without --resume): the chief
+    reports each worker's train.steps updates, and the global step is their sum."""
+    cluster = job(steps=60)
+    (cluster.folder / "slow_mlp.py").write_text(SLOW_MLP)  # steps long enough to kill one
+    slow = ("model={kind: import, target: 'slow_mlp:SlowMLP'}",)
+    ps = cluster.start("ps", "ps", slow)
+    chief = cluster.start("chief", "chief", slow + ("train.log_every=1",))
+    first = cluster.start("worker", "worker", slow + ("train.log_every=1",))
+    cluster.wait_log("worker", "step 20/")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    again = cluster.start("worker", "again", slow + ("train.log_every=1",) +
+                          (("--resume",) if resume else ()))
+    assert again.wait(timeout=180) == 0, cluster.log("again")
+    assert chief.wait(timeout=180) == 0, cluster.log("chief")
+    assert ps.wait(timeout=60) == 0, cluster.log("ps")
+    assert "continuing at step" in cluster.log("again")
+    assert "step 1/" not in cluster.log("again")
+    report = cluster.result("chief")["cluster"]
+    assert report["updates"] == {"chief:0": 60, "worker:0": 60}
+    assert report["global_step"] == 120
