@@ -112,7 +112,9 @@ class RemoteParameterStore(ParameterStore):
             for shard, where in parts:
                 if len(where):
                     requests[shard.ps].append((shard.id, ids[where] - shard.start))
-            answers = self.client.lookup(requests, rows.dtype)
+            # a step's lookups count as what it moved, not an evaluation's or a
+            # state_dict's (its reads run without gradients)
+            answers = self.client.lookup(requests, rows.dtype, torch.is_grad_enabled())
             for shard, where in parts:
                 if len(where):
                     rows[where] = answers[shard.ps].pop(0).view(len(where), *shape[1:])
