@@ -37,7 +37,7 @@ def first_batch(session):
 # batches of 5, the first round's two, one per worker
 @pytest.mark.parametrize("distribute,weights", [("global", (2, 1)), ("per_replica", (1, 1))])
 @pytest.mark.timeout(120)
-def test_two_workers_parts_add_up_to_one_central_storage_step(distribute, weights):
+def test_two_workers_slices_add_up_to_one_central_storage_step(distribute, weights):
     ports = free_ports(3)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:2]], "ps": [f"127.0.0.1:{ports[2]}"]}
     kind = [f"dataset.distribute={distribute}"]
