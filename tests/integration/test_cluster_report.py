@@ -1,6 +1,7 @@
 """The chief's final report agrees with what happened: a worker killed and restarted
 rejoins and is not "lost"; the global steps the tasks report say what they count."""
 
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -81,7 +82,9 @@ def test_a_restarted_worker_rejoins_and_is_not_reported_lost(job):
     first.wait()
     cluster.wait_log("chief", "lost worker:0")  # the chief saw it go
     again = cluster.start("worker", "again")
-    cluster.wait_log("again", "step 10/")
+    cluster.wait_log("again", "continuing at step")  # where it was, not at step 0
+    resumed_at = int(re.search(r"continuing at step (\d+)", cluster.log("again")).group(1))
+    cluster.wait_log("again", f"step {(resumed_at // 10 + 2) * 10}/")  # 10+ steps more
     again.send_signal(signal.SIGINT)  # it stops after its step and says goodbye
     assert again.wait(timeout=180) == 130, cluster.log("again")
     chief.send_signal(signal.SIGINT)  # the chief stops, saves and ends the job
@@ -90,7 +93,7 @@ def test_a_restarted_worker_rejoins_and_is_not_reported_lost(job):
     report = cluster.result("chief")["cluster"]
     assert report["lost_workers"] == []           # it came back and left cleanly
     assert report["rejoined_workers"] == ["worker:0"]
-    assert cluster.result("again")["steps"] >= 10
+    assert cluster.result("again")["steps"] >= resumed_at + 10
     assert "rejoined worker:0" in cluster.log("chief")
     assert "lost workers   none" in cluster.log("chief")
 
@@ -126,10 +129,13 @@ def test_a_restarted_worker_continues_at_its_step_and_the_counts_agree(job, resu
     chief = cluster.start("chief", "chief", slow + ("train.log_every=1",))
     first = cluster.start("worker", "worker", slow + ("train.log_every=1",))
     cluster.wait_log("worker", "step 20/")
+    chief.send_signal(signal.SIGSTOP)  # the job must outlive the restart
     first.send_signal(signal.SIGKILL)
     first.wait()
     again = cluster.start("worker", "again", slow + ("train.log_every=1",) +
                           (("--resume",) if resume else ()))
+    cluster.wait_log("again", "continuing at step")
+    chief.send_signal(signal.SIGCONT)
     assert again.wait(timeout=180) == 0, cluster.log("again")
     assert chief.wait(timeout=180) == 0, cluster.log("chief")
     assert ps.wait(timeout=60) == 0, cluster.log("ps")
