@@ -89,9 +89,9 @@ class PassBatches:
         def dataset_fn(context):
             if per_replica:  # this replica's own pipeline, as in central storage
                 size = context.get_per_replica_batch_size(pipeline.batch_size)
-                loader = pipeline.loader(epoch, position, pipelines=context.num_input_pipelines,
-                                         pipeline_id=context.input_pipeline_id,
-                                         batch_size=size, pin_memory=pin)
+                loader = pipeline.loader(
+                    epoch, position, pipelines=context.num_input_pipelines,
+                    pipeline_id=context.input_pipeline_id, batch_size=size, pin_memory=pin)
                 # every worker stops where the shortest replica pipeline of all does
                 return loader if steps is None else \
                     itertools.islice(loader, max(0, steps - position))
