@@ -28,13 +28,24 @@ import dataclasses
 import itertools
 from typing import Iterator, Sequence
 
-__all__ = ["WorkerShare", "split"]
+__all__ = ["WorkerShare", "rounds", "split"]
 
 
 def split(items: Sequence, parts: int) -> list[Sequence]:
     """``items`` in ``parts`` consecutive slices, TF's rule: ``ceil(len / parts)`` each."""
     per = -(-len(items) // parts)
     return [items[k * per:(k + 1) * per] for k in range(parts)]
+
+
+def rounds(plan: Iterator[list], size: int) -> Iterator[list[list]]:
+    """The complete rounds of ``size`` consecutive batches of ``plan`` (an incomplete
+    last one is dropped: by every worker alike)."""
+    plan = iter(plan)
+    while True:
+        batches = list(itertools.islice(plan, size))
+        if len(batches) < size:
+            return
+        yield batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +70,8 @@ class WorkerShare:
             split(split(batch, self.workers)[self.index], self.replicas) for batch in plan)
 
     def _of_rounds(self, plan: Iterator[list]) -> Iterator[list]:
-        size, first = self.workers * self.replicas, self.index * self.replicas
-        plan = iter(plan)
-        while True:
-            batches = list(itertools.islice(plan, size))
-            if len(batches) < size:  # incomplete: dropped by every worker
-                return
+        first = self.index * self.replicas
+        for batches in rounds(plan, self.workers * self.replicas):
             yield from batches[first:first + self.replicas]
 
     def count(self, batches: int) -> int:

@@ -26,7 +26,7 @@ import torch
 
 from ..config.schema import DatasetConfig
 from ..data.pipeline import Pipeline
-from ..data.worker_share import WorkerShare
+from ..data.worker_share import WorkerShare, rounds
 from ..distribute import InputContext, InputOptions, InputReplicationMode
 
 __all__ = ["PassBatches"]
@@ -89,11 +89,12 @@ class PassBatches:
         def dataset_fn(context):
             if per_replica:  # this replica's own pipeline, as in central storage
                 size = context.get_per_replica_batch_size(pipeline.batch_size)
-                loader = pipeline.loader(epoch, position, pipelines=context.num_input_pipelines,
-                                         pipeline_id=context.input_pipeline_id,
-                                         batch_size=size, pin_memory=pin)
+                loader = pipeline.loader(
+                    epoch, position, pipelines=context.num_input_pipelines,
+                    pipeline_id=context.input_pipeline_id, batch_size=size, pin_memory=pin)
                 # every worker stops where the shortest replica pipeline of all does
-                return loader if steps is None else itertools.islice(loader, steps - position)
+                return loader if steps is None else \
+                    itertools.islice(loader, max(0, steps - position))
             return pipeline.loader(epoch, position * local, pin_memory=pin,
                                    **self._share(context, local))
 
@@ -139,7 +140,7 @@ class PassBatches:
                 steps = zip(*(pipeline.plan(epoch, replicas, r, size)
                               for r in range(replicas)))
             else:  # rounds of `replicas` batches of one pipeline
-                steps = _rounds(pipeline.plan(epoch, 1, 0, size), replicas)
+                steps = rounds(pipeline.plan(epoch, 1, 0, size), replicas)
         return (sum(len(b) for b in step) for step in itertools.islice(steps, position, None))
 
     def global_examples(self, x: Any) -> int:
@@ -150,12 +151,3 @@ class PassBatches:
             return next(self._sizes)
         return sum(int(t.shape[0]) for t in self.strategy.experimental_local_results(x))
 
-
-def _rounds(plan: Iterator[list], size: int) -> Iterator[list]:
-    """The complete rounds of ``size`` consecutive batches of ``plan``."""
-    plan = iter(plan)
-    while True:
-        batches = list(itertools.islice(plan, size))
-        if len(batches) < size:
-            return
-        yield batches

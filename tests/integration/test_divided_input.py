@@ -92,3 +92,20 @@ def test_per_replica_batches_run_in_a_parameter_server_job():
     for epoch in expected:
         assert not set(epoch[0]) & set(epoch[1]) and len(epoch[0] + epoch[1]) == 40
     assert list(itertools.chain(*expected[0])) != list(itertools.chain(*expected[1]))
+
+
+@pytest.mark.timeout(180)
+def test_one_pipeline_per_replica_reads_the_replica_s_shard_as_in_central_storage():
+    # a shard step left to the InputContext: replica r of 2 keeps every 2nd example
+    sessions, results = run_job("dataset.distribute=per_replica",
+                                "dataset.replication=per_replica",
+                                "dataset.steps=[{op: shuffle, buffer: 64}, {op: shard}, "
+                                "{op: batch, size: 10}]")
+    for w, session in enumerate(sessions):
+        mine = [[i for b in session.pipeline.plan(epoch, 2, w, 5) for i in b]
+                for epoch in range(2)]  # 22 and 21 examples: 5 batches each
+        assert session.steps_per_epoch == 5 and session.state.step == 10
+        assert session.data.dataset.reads == mine[0] + mine[1]
+        assert results[w].status == "completed"
+    reads = [s.data.dataset.reads for s in sessions]
+    assert sorted(reads[0] + reads[1]) == sorted(list(range(43)) * 2)

@@ -3,6 +3,7 @@ workers' shares of a pass are disjoint, cover it, follow the epoch's seeded orde
 remainder as TF splits a batch, and a worker loads only its own examples."""
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -11,8 +12,11 @@ from csrun.core.data.pipeline import Pipeline
 from csrun.core.data.sources import load_source, split_holdout
 from csrun.core.data.worker_share import WorkerShare, split
 from csrun.core.runner.preflight import load_config_text
+from csrun.core.runner.roles import LocalRole
+from csrun.core.runner.session import Outputs, Session
 from csrun.core.runner.state import position_at
 from tests.helpers import recorded_data
+from tests.helpers.tiny_config import tiny_config
 
 TEXT = """\
 strategy: {compute_devices: [CPU:0]}
@@ -125,3 +129,21 @@ def test_a_restarted_worker_s_place_in_its_share_follows_from_its_step(step, exp
 def test_without_a_known_pass_length_a_worker_is_in_its_first_pass():
     assert position_at(7, None, 1) == (0, 7)
     assert position_at(7, None, 3) == (0, 21)
+
+
+class _HearsOnlyItsStep(LocalRole):
+    """A role whose ``begin`` says only a step, as for a worker restarted alone."""
+
+    def begin(self, where, optimizer):
+        return {"step": 5}
+
+
+def test_a_session_that_hears_only_its_step_starts_at_that_step_s_place():
+    # 72 training examples in batches of 16: 5 a pass, 3 steps of 2 batches (the last 1)
+    config = load_config_text(tiny_config("train.steps=6", "train.accumulate_steps=2"))
+    session = Session(config, Outputs(), lambda e: None, _HearsOnlyItsStep(config))
+    assert session.steps_per_epoch == 3
+    session.fit(threading.Event())
+    # step 5 is epoch 1, batch 4: the sixth step takes that pass's last batch, ending it
+    assert session.checkpoints.resumed_from == 5
+    assert (session.state.step, session.state.epoch, session.state.position) == (6, 2, 0)
