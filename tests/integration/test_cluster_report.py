@@ -133,7 +133,7 @@ def test_a_restarted_worker_continues_at_its_step_and_the_counts_agree(job, resu
     first.send_signal(signal.SIGKILL)
     first.wait()
     again = cluster.start("worker", "again", slow + ("train.log_every=1",) +
-                          (("--resume",) if resume else ()))
+                          (("--resume", "checkpoint.dir=ck") if resume else ()))
     cluster.wait_log("again", "continuing at step")
     chief.send_signal(signal.SIGCONT)
     assert again.wait(timeout=180) == 0, cluster.log("again")
