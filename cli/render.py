@@ -104,15 +104,25 @@ def _cluster_rows(cluster: dict | None) -> list[tuple[str, str]]:
     if not cluster:
         return []
     homes: dict[str, int] = {}
-    for device in cluster["variables"].values():
-        ps = device.split("/task:")[1].split("/")[0] if "/task:" in device else device
-        homes[f"ps:{ps}"] = homes.get(f"ps:{ps}", 0) + 1
+    for devices in cluster["variables"].values():
+        for device in devices.split(","):  # a partitioned variable: one per shard
+            ps = device.split("/task:")[1].split("/")[0] if "/task:" in device else device
+            homes[f"ps:{ps}"] = homes.get(f"ps:{ps}", 0) + 1
     when = cluster.get("global_step_when", "")
     note = f" when {when}" if when else ""
     note += " (the chief reports the job's last)" if when == "this worker finished" else ""
     rows = [("cluster", f"{cluster['task']} ({cluster['role']}); global step "
                         f"{cluster['global_step']}{note}; variables: " +
              ", ".join(f"{n} on {ps}" for ps, n in sorted(homes.items())))]
+    moved = cluster.get("transfers")
+    if moved and moved.get("steps"):
+        rows.append(("moved", f"{_size(moved['pushed_bytes_per_step'])} pushed, "
+                              f"{_size(moved['pulled_bytes_per_step'])} pulled per step "
+                              f"(this worker, {moved['steps']} steps)"))
+    held = {ps: v["held_bytes"] for ps, v in (cluster.get("ps") or {}).items()
+            if v.get("held_bytes") is not None}
+    if held:
+        rows.append(("ps hold", ", ".join(f"{ps}: {_size(b)}" for ps, b in held.items())))
     if "updates" in cluster:
         rows.append(("updates", ", ".join(f"{w}: {n}" for w, n in
                                           sorted(cluster["updates"].items())) or "-"))
@@ -122,6 +132,15 @@ def _cluster_rows(cluster: dict | None) -> list[tuple[str, str]]:
             rows.append(("rejoined", ", ".join(cluster["rejoined_workers"]) +
                          " (restarted during the job)"))
     return rows
+
+
+def _size(count: float) -> str:
+    """Bytes as people read them: ``512 B``, ``140.6 KiB``, ``1.25 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
 
 
 def _ms(seconds: float) -> str:

@@ -152,7 +152,8 @@ class ParameterServerClient:
     def _is_set(self, key: str) -> Callable[[], bool]:
         return lambda: self._store.check([key])
 
-    def _call(self, k: int, op: int, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _call(self, k: int, op: int, payload: list[torch.Tensor],
+              counted: bool | None = None) -> list[torch.Tensor]:
         """Send ``payload`` to ps ``k`` and take its answer, within ``strategy.timeout_s``
         for the whole exchange (gloo bounds each tensor's send and receive alone: a silent
         ps held a worker many times as long), on the channel's caller thread: a second
@@ -163,7 +164,7 @@ class ParameterServerClient:
             sent, received = channel.sent_bytes, channel.received_bytes
             channel.send(op, payload)
             answer = channel.recv()
-            if op in _TRAINING:  # on this ps's caller thread: one at a time
+            if counted if counted is not None else op in _TRAINING:  # one at a time
                 self._moved[k][0] += channel.sent_bytes - sent
                 self._moved[k][1] += channel.received_bytes - received
             return answer
@@ -214,9 +215,10 @@ class ParameterServerClient:
             self._call(k, OPTIMIZER, [encode(spec)])
 
     def lookup(self, requests: list[list[tuple[int, torch.Tensor]]],
-               dtype: torch.dtype) -> list[list[torch.Tensor]]:
+               dtype: torch.dtype, counted: bool = True) -> list[list[torch.Tensor]]:
         """Table rows: ``requests[k]`` lists (shard id, shard-local row ids) for ps k; the
-        rows come back flat, one per request, in the same order."""
+        rows come back flat, one per request, in the same order. ``counted``: a
+        training step's (not an evaluation's or a whole table's read)."""
         answers: list[list[torch.Tensor]] = []
         for k, wanted in enumerate(requests):
             if not wanted:
@@ -224,7 +226,7 @@ class ParameterServerClient:
                 continue
             meta = {"shards": [[shard, len(ids)] for shard, ids in wanted]}
             ids = torch.cat([ids for _, ids in wanted])
-            flat = self._call(k, LOOKUP, [encode(meta), ids])
+            flat = self._call(k, LOOKUP, [encode(meta), ids], counted)
             flat = flat[0] if flat else torch.empty(0, dtype=dtype)
             sizes = [len(i) for _, i in wanted]
             answers.append(list(flat.split([n * (flat.numel() // max(1, sum(sizes)))

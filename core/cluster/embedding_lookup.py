@@ -45,6 +45,10 @@ class RowTable:
     assign: Callable[[torch.Tensor, torch.Tensor], None]
 
     def read_all(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self._read_all()
+
+    def _read_all(self) -> torch.Tensor:
         rows = [self.fetch(torch.arange(a, min(a + READ_CHUNK_ROWS, self.shape[0])))
                 for a in range(0, self.shape[0], READ_CHUNK_ROWS)]
         return torch.cat(rows) if rows else torch.empty(self.shape)

@@ -112,7 +112,9 @@ class RemoteParameterStore(ParameterStore):
             for shard, where in parts:
                 if len(where):
                     requests[shard.ps].append((shard.id, ids[where] - shard.start))
-            answers = self.client.lookup(requests, rows.dtype)
+            # a step's lookups count as what it moved, not an evaluation's or a
+            # state_dict's (its reads run without gradients)
+            answers = self.client.lookup(requests, rows.dtype, torch.is_grad_enabled())
             for shard, where in parts:
                 if len(where):
                     rows[where] = answers[shard.ps].pop(0).view(len(where), *shape[1:])
@@ -390,6 +392,11 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
     def unfinished_workers(self) -> list[str]:
         """The other workers that neither finished nor were lost, so far."""
         return self._remote().client.unfinished(self._others())
+
+    @property
+    def worker_tasks(self) -> list[str]:
+        """The tasks that train: ``chief:0`` (if any), then ``worker:0``, ``worker:1`` ..."""
+        return list(self._worker_tasks)
 
     def _others(self) -> list[str]:
         me = f"{self._task_type}:{self._task_id}"

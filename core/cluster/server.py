@@ -221,7 +221,7 @@ class ParameterServer:
         for shard in sorted(set(ours) | set(theirs)):
             if ours.get(shard) != theirs.get(shard):
                 def shown(spec):
-                    return (f"variable {spec[0]} rows {spec[1]}.. {spec[2]} {spec[3]}"
+                    return (f"variable {spec[0]} from row {spec[1]}: {spec[2]} {spec[3]}"
                             if spec else "nothing")
                 raise _Refused(
                     f"this worker's model or partitioning differs from the job's: shard "

@@ -107,6 +107,32 @@ class TaskConfig(_Section):
     index: Int64 = Field(0, ge=0, description="Its index in that job's address list.")
 
 
+class FixedShardsConfig(_Section):
+    """TF's `FixedShardsPartitioner`: every variable in `num_shards` shards."""
+
+    kind: Literal["fixed"] = Field(description="`fixed`: a fixed number of shards.")
+    num_shards: Int64 = Field(
+        ge=1, le=65536, description="Shards per variable along dim 0 (a variable with "
+        "fewer rows gets one per row; scalars stay whole). Shards are placed over the ps "
+        "tasks as variables are (`variable_placement`).")
+
+
+class MinSizeConfig(_Section):
+    """TF's `MinSizePartitioner`: as many shards as keep each at least `min_shard_bytes`."""
+
+    kind: Literal["min_size"] = Field(description="`min_size`: shards of a minimum size.")
+    min_shard_bytes: Int64 = Field(
+        256 << 10, ge=1, description="The smallest shard, in bytes (TF's default, 256 KiB): "
+        "a smaller variable stays whole.")
+    max_shards: Int64 = Field(
+        1, ge=1, le=65536, description="At most this many shards per variable (TF's "
+        "default, 1, splits nothing: set it).")
+
+
+PartitionerConfig = Annotated[Union[FixedShardsConfig, MinSizeConfig],
+                              Field(discriminator="kind")]
+
+
 class ParameterServerConfig(_Section):
     """A cluster of processes: workers train, ps tasks hold the variables (a
     ``ParameterServerStrategy``). Workers are synchronous across their local replicas and
@@ -138,6 +164,12 @@ class ParameterServerConfig(_Section):
         "round_robin", description="How variables go to ps tasks: `round_robin` in "
         "creation order (TF's rule), or `balanced` by size (each to the ps holding the "
         "fewest bytes so far).")
+    variable_partitioner: PartitionerConfig | None = Field(
+        None, description="Split variables along dim 0 over the ps tasks (TF's "
+        "partitioners): `{kind: fixed, num_shards: N}` or `{kind: min_size, "
+        "min_shard_bytes: B, max_shards: N}`; null: each variable whole on one ps. "
+        "Checkpoints, exports and `params_sha256` see whole variables, whatever the "
+        "sharding. See docs/parameter-server.md.")
     timeout_s: float = Field(
         120.0, gt=0, description="Seconds a task waits for the parameter servers to come "
         "up, and for any answer of the job's store; how long the chief's heartbeat may "

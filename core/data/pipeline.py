@@ -31,6 +31,7 @@ from ..config.targets import import_object
 from ..config.user_code import UserCodeError, user_code_error
 from .imported import Collate, Guarded, ImportedData, examples
 from .sources import SourceData, derive_seed
+from .worker_share import WorkerShare
 
 __all__ = ["Pipeline", "ExampleSet", "is_worker_death", "worker_died"]
 
@@ -327,18 +328,21 @@ class Pipeline:
 
     # -- plans -------------------------------------------------------------------------
     def plan(self, epoch: int, pipelines: int = 1, pipeline_id: int = 0,
-             batch_size: int | None = None) -> Iterator[list[int]]:
+             batch_size: int | None = None, share: WorkerShare | None = None
+             ) -> Iterator[list[int]]:
         """The batches of example indices of pass ``epoch`` (deterministic).
 
         ``pipelines``/``pipeline_id`` resolve ``shard`` steps left to the InputContext;
-        ``batch_size`` replaces the batch step's size (per-replica batches). A streamed
-        (iterable) dataset's plan holds its examples instead of indices.
+        ``batch_size`` replaces the batch step's size (per-replica batches); ``share``
+        keeps a parameter-server worker's part of each global step (its replicas'
+        batches). A streamed (iterable) dataset's plan holds its examples instead of
+        indices.
         """
         stream: Callable = (lambda iteration: examples(self.data)) if self.streamed else \
             (lambda iteration: iter(self.indices))
         for k, step in self._ops:
             stream = self._stage(stream, k, step, (pipelines, pipeline_id), batch_size)
-        return stream((epoch,))
+        return share.parts(stream((epoch,))) if share else stream((epoch,))
 
     def _stage(self, up: Callable, k: int, step, context: tuple, batch_size) -> Callable:
         if step.op == "shuffle":
@@ -363,16 +367,18 @@ class Pipeline:
         return lambda it: itertools.islice(up(it), index, None, shards)
 
     def batches_per_epoch(self, pipelines: int = 1, pipeline_id: int = 0,
-                          batch_size: int | None = None) -> int | None:
-        """How many batches one pass yields; None when the pipeline repeats forever or
-        streams a dataset of unknown length."""
+                          batch_size: int | None = None, share: WorkerShare | None = None
+                          ) -> int | None:
+        """How many batches one pass yields (a worker's ``share``: its per-replica
+        ones); None when the pipeline repeats forever or streams a dataset of unknown
+        length."""
         if self.infinite or self.streamed:
             return None
         # counted, not walked: a `repeat` of 10**12 would take days to walk
         count = len(self.indices)
         for _, step in self._ops:
             count = _count_after(step, count, (pipelines, pipeline_id), batch_size)
-        return count
+        return share.count(count) if share else count
 
     def examples_per_pass(self) -> int | None:
         """The examples that reach the batch step in one pass (None: endless)."""
@@ -397,15 +403,25 @@ class Pipeline:
 
     # -- loaders -----------------------------------------------------------------------
     def loader(self, epoch: int, skip: int = 0, *, pipelines: int = 1, pipeline_id: int = 0,
-               batch_size: int | None = None, pin_memory: bool = False):
+               batch_size: int | None = None, pin_memory: bool = False,
+               share: WorkerShare | None = None):
         """A DataLoader over pass ``epoch`` of the plan, after its first ``skip`` batches
-        (a streamed dataset replays them: read, not collated)."""
+        (a streamed dataset replays them: read, not collated). With a worker's ``share``
+        it loads only that worker's examples (:class:`_SharedBatches`)."""
+        context = (pipelines, pipeline_id, batch_size, share)
+        if share is not None and not share.rounds:  # parts can be empty: see the class
+            return _SharedBatches(self, epoch, skip, context, pin_memory)
+        return self._plan_loader(epoch, skip, context, pin_memory)
+
+    def _plan_loader(self, epoch: int, skip: int, context: tuple, pin_memory: bool):
+        """The DataLoader of :meth:`loader` (of a share: its non-empty parts only)."""
         if self.streamed:
-            batches = _StreamedBatches(self, epoch, skip, (pipelines, pipeline_id, batch_size))
+            batches = _StreamedBatches(self, epoch, skip, context)
             return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=_as_is,
                                                pin_memory=pin_memory)
-        sampler = _PlanSampler(self, epoch, skip, (pipelines, pipeline_id, batch_size))
-        return self._loader(sampler, derive_seed(self.seed, 2, epoch, pipeline_id), pin_memory)
+        share = context[3]
+        seed = derive_seed(self.seed, 2, epoch, context[1], *([share.index] if share else []))
+        return self._loader(_PlanSampler(self, epoch, skip, context), seed, pin_memory)
 
     def eval_loader(self, indices: torch.Tensor, batch_size: int, pin_memory: bool = False):
         """A DataLoader over ``indices`` in order (the held-out examples), same transforms."""
@@ -479,7 +495,7 @@ class _StreamedBatches(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator:
         plan = self.pipeline.plan(self.epoch, *self.context)
-        return map(self.pipeline.collate, itertools.islice(plan, self.skip, None))
+        return map(self.pipeline.collate, _loaded(plan, self.skip, self.context[3]))
 
 
 class _PlanSampler(torch.utils.data.Sampler):
@@ -489,10 +505,76 @@ class _PlanSampler(torch.utils.data.Sampler):
         self.pipeline, self.epoch, self.skip, self.context = pipeline, epoch, skip, context
 
     def __iter__(self) -> Iterator[list[int]]:
-        return itertools.islice(self.pipeline.plan(self.epoch, *self.context), self.skip, None)
+        return _loaded(self.pipeline.plan(self.epoch, *self.context), self.skip,
+                       self.context[3])
+
+    def __len__(self) -> int:
+        total = self.pipeline.batches_per_epoch(*self.context)
+        if total is None:
+            raise TypeError("the pipeline repeats forever; it has no length")
+        if self.context[3] is not None:  # a share's empty parts are not loaded: walked
+            return sum(1 for _ in iter(self))
+        return max(0, total - self.skip)
+
+
+def _loaded(plan: Iterator[list], skip: int, share: WorkerShare | None) -> Iterator[list]:
+    """The batches of ``plan`` a loader loads: after ``skip``; of a share, the non-empty."""
+    batches = itertools.islice(plan, skip, None)
+    return filter(len, batches) if share is not None else batches
+
+
+class _SharedBatches:
+    """A worker's batches of its share of a pass of global batches: where its part is
+    empty (a global batch smaller than the workers or its replicas), an empty batch,
+    as TF gives such a worker. Only the non-empty parts are loaded; an empty one has the
+    structure of one of this worker's own batches (the last, else the next, else the
+    pass's first)."""
+
+    def __init__(self, pipeline: Pipeline, epoch: int, skip: int, context: tuple,
+                 pin_memory: bool):
+        self.pipeline, self.epoch, self.skip = pipeline, epoch, skip
+        self.context, self.pin_memory = context, pin_memory
 
     def __len__(self) -> int:
         total = self.pipeline.batches_per_epoch(*self.context)
         if total is None:
             raise TypeError("the pipeline repeats forever; it has no length")
         return max(0, total - self.skip)
+
+    def __iter__(self) -> Iterator:
+        plan = self.pipeline.plan(self.epoch, *self.context)
+        loaded = iter(self.pipeline._plan_loader(self.epoch, self.skip, self.context,
+                                                 self.pin_memory))
+        empty, held, last = None, [], None
+        for part in itertools.islice(plan, self.skip, None):
+            if len(part):
+                last = held.pop() if held else next(loaded)
+                yield last
+                continue
+            if empty is None and last is None:
+                held = list(itertools.islice(loaded, 1))
+            if empty is None:
+                empty = _emptied(last if last is not None else held[0] if held
+                                 else self._first())
+            yield empty
+
+    def _first(self) -> Any:
+        """The pass's first batch of this worker (its rest has none to copy)."""
+        for batch in self.pipeline._plan_loader(self.epoch, 0, self.context, False):
+            return batch
+        share = self.context[3]
+        raise ValueError(f"worker {share.index} of {share.workers} has no example in pass "
+                         f"{self.epoch}: the pass has fewer examples than the workers")
+
+
+def _emptied(batch: Any) -> Any:
+    """``batch`` with none of its examples: each tensor's first ``0`` rows."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)((k, _emptied(v)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_emptied(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_emptied(v) for v in batch)
+    return batch

@@ -37,6 +37,7 @@ from .events import Notice, RunResult
 from ..cluster.heartbeat import ChiefGone
 from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped, bounded
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
+from ..cluster.sharded_variable import partitioner_from_config
 from .checkpointing import run_identity
 from .errors import RunError
 from .session import Outputs, Session, run_session
@@ -161,7 +162,7 @@ def connect(config, stop: threading.Event | None = None) -> ParameterServerStrat
             cluster_resolver(s), s.num_gpus_per_worker, compute_devices=s.compute_devices,
             variable_placement=s.variable_placement, timeout=s.timeout_s,
             options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution),
-            stop=stop)
+            stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner))
     except ParameterServerError as exc:
         raise RunError(str(exc)) from None
 
@@ -171,8 +172,11 @@ def job_settings(config) -> dict[str, Any]:
     data and seed (a checkpoint's identity), how long it trains, and where variables go.
     Not the devices: each machine has its own."""
     settings = {k: v for k, v in run_identity(config, 0).items() if k != "strategy.replicas"}
+    partitioner = config.strategy.variable_partitioner
     settings.update({"train.steps": config.train.steps, "train.epochs": config.train.epochs,
-                     "strategy.variable_placement": config.strategy.variable_placement})
+                     "strategy.variable_placement": config.strategy.variable_placement,
+                     "strategy.variable_partitioner":
+                         partitioner.model_dump() if partitioner is not None else None})
     return settings
 
 
@@ -253,15 +257,24 @@ class ClusterRole:
     # -- the run ---------------------------------------------------------------------------
     def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
         """The chief initializes the variables (restores the ps tasks from its
-        checkpoint) and lets the other workers go; they start where it starts."""
+        checkpoint, every worker's step count with them) and lets the other workers go.
+        Another worker starts at the steps the ps tasks applied for it in this job: a
+        restarted one goes on where it was (no step is trained twice), with or without
+        ``--resume``; a fresh one where the chief starts."""
         if self.is_chief:
             if self._restored is not None:
                 self.ext.load_ps_state(self._restored, optimizer)
+                self.ext.set_worker_steps(int(where["step"]))
                 self._restored = None
             self.ext.mark_initialized(where)
             return where
         timeout = max(self.config.strategy.timeout_s, 600.0)
         start = self.ext.wait_for_chief(timeout, self._waiting)
+        done = self.ext.steps_done()
+        if done is not None and done != int(start["step"]):
+            self.emit(Notice(f"continuing at step {done}, the steps the ps tasks applied "
+                             f"for this worker in this job"))
+            return {"step": done}
         if start["step"]:
             self.emit(Notice(f"starting at the chief's step {start['step']} (epoch "
                              f"{start['epoch']}, batch {start['position']})"))
@@ -312,14 +325,25 @@ class ClusterRole:
     # -- the end ---------------------------------------------------------------------------
     def end(self, result: RunResult, model: torch.nn.Module) -> ClusterRunResult:
         cluster = self._cluster(model)
-        # the store lives until the chief ends the job: ask before finish() does
+        # the store lives until the chief ends the job: ask before finish() does (the
+        # others have finished: settle() waited for them)
         self._rejoined_before_end = self._rejoined() if self.is_chief else []
+        counts = {t: self.ext.steps_done(t) or 0 for t in self.ext.worker_tasks} \
+            if self.is_chief else {}
         self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
         self._ended = True
+        cluster["transfers"] = self.ext.transfer_stats()
         if self.is_chief:
             cluster["lost_workers"] = self.lost
             cluster["rejoined_workers"] = self._rejoined_before_end
-            cluster["updates"] = _updates(getattr(self.ext, "ps_logs", []))
+            logs = getattr(self.ext, "ps_logs", [])
+            # counted where each update was applied, as the global step: they agree
+            cluster["updates"] = counts
+            cluster["worker_transfers"] = dict(sorted(getattr(self.ext, "transfers",
+                                                              {}).items()))
+            cluster["ps"] = {f"ps:{k}": {"held_bytes": log.get("held_bytes"),
+                                         "shards": log.get("shards")}
+                             for k, log in enumerate(logs)}
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         return ClusterRunResult(**fields, cluster=cluster)
 
@@ -345,10 +369,3 @@ class ClusterRole:
             self._ended = True
             with contextlib.suppress(Exception):
                 self.ext.abort(reason)
-
-
-def _updates(logs: list[dict]) -> dict[str, int]:
-    """Updates applied per worker, from the ps tasks' logs (a push reaches every ps
-    that holds variables, so the one that applied the most has them all)."""
-    counts = max((log["updates"] for log in logs), key=lambda c: sum(c.values()), default={})
-    return dict(sorted(counts.items()))

@@ -25,7 +25,7 @@ class Role(Protocol):
 
     strategy: Any          # the strategy the session trains with
     is_chief: bool         # writes and restores the checkpoints, evaluates the holdout
-    sliced: bool           # the strategy feeds this process only its slice of a global batch
+    sliced: bool           # one worker of several: it reads only its share of the input
     parameter_device: str  # where the parameters live, as RunStarted names it
 
     def state_dict(self) -> dict:

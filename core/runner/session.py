@@ -58,7 +58,7 @@ from .result import run_result
 from .rng import GlobalGenerators, seed_everything
 from .roles import LocalRole, Role
 from .schedules import ScheduleSteps, build_schedule, schedule_interval
-from .state import TrainState
+from .state import TrainState, position_at
 
 __all__ = ["Outputs", "Session", "run_session"]
 
@@ -118,14 +118,14 @@ class Session:
                                    self.strategy.extended.parameter_device.torch_device)
         forward = replica_step.compiled(self.model) if config.train.compile else self.model
         self.replica_step = replica_step.ReplicaStep(self.objective, self.precision, forward)
-        batches = self.pipeline.steps_per_epoch(self.replicas)  # an optimizer step takes
+        self.batches = PassBatches(config.dataset, self.pipeline, self.strategy,
+                                   self.devices, self.role.sliced)
+        batches = self.batches.steps_per_epoch()  # of this worker's share, in a ps job
         self.steps_per_epoch = batches and -(-batches // config.train.accumulate_steps)
         self.total_steps = config.train.steps or config.train.epochs * self.steps_per_epoch
         self.checkpoints = Checkpointer(config, self.replicas, self.role.is_chief, emit)
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
         self.state = TrainState(self.replicas, recent=WINDOWS * config.train.log_every)
-        self.batches = PassBatches(config.dataset, self.pipeline, self.strategy,
-                                   self.devices, self.role.sliced)
         self.evaluator = Evaluator(config, EvalParts(
             self.strategy, self.role, self.pipeline, self.objective, self.precision,
             self.model, forward, emit, self.devices), holdout)
@@ -189,7 +189,7 @@ class Session:
         """Train until ``total_steps`` or until ``stop`` is set; save at the end."""
         state = self.state
         here = {"step": state.step, "epoch": state.epoch, "position": state.position}
-        start = self.role.begin(here, self.optimizer)  # a cluster's worker: the chief's
+        start = self._start(self.role.begin(here, self.optimizer))
         state.step, state.epoch, state.position = (int(start[k]) for k in here)
         if state.step != here["step"]:
             self.checkpoints.resumed_from = state.step
@@ -208,6 +208,16 @@ class Session:
             self.emit(Notice(f"interrupted after step {state.step}"))
         self.role.settle()
         self.save()
+
+    def _start(self, start: dict) -> dict:
+        """Where the role says training starts; a restarted worker that hears only its
+        step takes its place in its share from it (each worker's steps per epoch are
+        those of its share)."""
+        if "epoch" in start and "position" in start:
+            return start
+        epoch, position = position_at(int(start["step"]), self.steps_per_epoch,
+                                      self.config.train.accumulate_steps)
+        return {"step": start["step"], "epoch": epoch, "position": position}
 
     def _going(self, stop: threading.Event) -> bool:
         return self.state.step < self.total_steps and not stop.is_set() \

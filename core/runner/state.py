@@ -24,7 +24,26 @@ from .events import ReplicaStats, StepLog
 from .objectives import PendingCorrect
 from .tally import Tally
 
-__all__ = ["TrainState"]
+__all__ = ["TrainState", "position_at"]
+
+
+def position_at(step: int, steps_per_epoch: int | None, accumulate_steps: int
+                ) -> tuple[int, int]:
+    """The ``(epoch, position)`` at which a run stands after ``step`` optimizer steps: a
+    restarted parameter-server worker's own place in its share, from its step count.
+
+    A pass is ``steps_per_epoch`` steps of ``accumulate_steps`` batches each (its last
+    step may take fewer, so it ends the pass); without a known length (a pipeline that
+    repeats forever, a stream) the run is in its first pass.
+
+    Example::
+
+        position_at(25, steps_per_epoch=10, accumulate_steps=2)   # (2, 10)
+    """
+    if not steps_per_epoch:
+        return 0, step * accumulate_steps
+    epoch, steps = divmod(step, steps_per_epoch)
+    return epoch, steps * accumulate_steps
 
 
 class TrainState:

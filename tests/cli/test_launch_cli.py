@@ -60,12 +60,13 @@ def test_a_central_storage_config_is_refused_with_a_hint(cli, tiny):
 
 
 def test_config_problems_are_reported_as_validate_does(cli, ps_tiny):
+    # per-replica batches of 15 divide among a worker's replica, not the job's two
     result = cli("launch", ps_tiny, "optimizer.lr=-1", "dataset.distribute=per_replica",
-                 "--workers", "2", "--ps", "1", "--json", "-")
+                 "dataset.steps.0.size=15", "--workers", "2", "--ps", "1", "--json", "-")
     assert result.exit_code == 2
     data = json.loads(result.stdout)
     assert data["status"] == "invalid" and data["exit_code"] == 2
-    assert {p["path"] for p in data["problems"]} == {"optimizer.lr", "dataset.distribute"}
+    assert {p["path"] for p in data["problems"]} == {"optimizer.lr", "dataset.steps.0.size"}
 
 
 def test_a_cluster_in_the_file_must_not_fight_the_launcher(cli, ps_tiny):
@@ -151,3 +152,18 @@ def test_train_on_a_parameter_server_config_without_a_cluster_says_use_launch(
     result = cli("validate", ps_tiny)
     assert result.exit_code == 2
     assert "environment TF_CONFIG: strategy.cluster: TF_CONFIG is not valid JSON" in result.stderr
+
+
+def test_validate_takes_per_replica_batches_in_a_parameter_server_job(cli, ps_tiny,
+                                                                       monkeypatch):
+    # refused before each worker read only its share; now TF's dataset per worker
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["127.0.0.1:2223", "127.0.0.1:2224"], "ps": ["127.0.0.1:2222"]},
+        "task": {"type": "worker", "index": 1}}))
+    result = cli("validate", ps_tiny, "dataset.distribute=per_replica")
+    assert result.exit_code == 0, result.stderr
+    result = cli("validate", ps_tiny, "dataset.distribute=per_replica",
+                 "dataset.steps.0.size=15")
+    assert result.exit_code == 2
+    assert "the global batch size 15 does not divide among the job's 2 replicas" \
+        in result.stderr

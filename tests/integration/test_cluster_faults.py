@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from csrun.core.cluster.client import ParameterServerClient
 from csrun.core.cluster.resolvers import SimpleClusterResolver
 from csrun.core.cluster.server import ParameterServer
-from csrun.core.cluster.client import ParameterServerClient
+from csrun.core.cluster.sharded_variable import Shard
 from csrun.core.cluster.transport import ClusterMismatch
 from csrun.core.runner.launch import free_ports
 
@@ -283,11 +284,15 @@ def test_a_worker_with_another_model_is_told_what_differs(serving_ps):
     spec = serving_ps
     first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 0), timeout=30)
     second = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
-    first.register([[(0, torch.zeros(16, 8), 0), (1, torch.zeros(16), 0)]])
-    with pytest.raises(ClusterMismatch, match=r"variable 0 .* is float32 \[16, 8\] in the "
-                                              r"job, float32 \[32, 8\] here"):
-        second.register([[(0, torch.zeros(32, 8), 0), (1, torch.zeros(32), 0)]])
-    second.register([[(0, torch.ones(16, 8), 0), (1, torch.ones(16), 0)]])  # same: fine
+    def shards(rows):
+        return [[(Shard(0, 0, 0, rows, 0), torch.zeros(rows, 8), {"rows": False}),
+                 (Shard(1, 1, 0, rows, 0), torch.zeros(rows), {"rows": False})]]
+    first.register(shards(16), [[]])
+    with pytest.raises(ClusterMismatch, match=r"shard 0 on ps:0 is variable 0 from row 0: "
+                                              r"float32 \[16, 8\] in the job, variable 0 "
+                                              r"from row 0: float32 \[32, 8\] here"):
+        second.register(shards(32), [[]])
+    second.register(shards(16), [[]])  # same: fine
 
 
 # -- 3. what a dying ps prints -----------------------------------------------------------

@@ -113,3 +113,124 @@ def test_one_worker_ends_where_central_storage_does(sparse, optimizer, ps, parti
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
     finally:
         cluster.close()
+
+
+def test_a_worker_keeps_no_table_and_moves_only_the_rows_it_touches():
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2))
+    try:
+        model = train(cluster.strategy, True, "Adagrad", steps=3)
+        for table in (model.users.weight, model.items.weight):
+            assert table.untyped_storage().nbytes() == 4  # one float stands for it
+        moved = cluster.strategy.extended.transfer_stats()
+        assert moved["steps"] == 3
+        # a step touches at most 8 users and 24 items of 4 floats, both ways, plus the
+        # dense tower (77 floats) pushed and pulled, ids and headers: far below the
+        # tables' 360 rows
+        per_step = moved["pushed_bytes_per_step"] + moved["pulled_bytes_per_step"]
+        assert per_step < 2 * (32 * 4 * 4 + 77 * 4) + 4096
+        state = model.state_dict()  # read whole from the ps tasks
+        assert state["users.weight"].shape == (50, 4)
+        assert state["users.weight"][0].abs().sum() == 0  # padding_idx stays zero
+        # writing the state back writes the ps tasks' rows
+        state["users.weight"][7] = 42.0
+        model.load_state_dict(state)
+        assert torch.equal(model.state_dict()["users.weight"][7], torch.full((4,), 42.0))
+    finally:
+        cluster.close()
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # a tied output layer reads the table whole
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
+
+
+def test_a_tied_table_is_served_whole_and_the_run_says_so_once():
+    cluster = Cluster(1)
+    try:
+        with cluster.strategy.scope():
+            torch.manual_seed(0)
+            model = Tied()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids = torch.tensor([[1, 2], [3, 4]])
+        with pytest.warns(UserWarning, match=r"served whole, not by rows.*Embedding\(10, "
+                                             r"4\): its weight is also another module's"):
+            for _ in range(2):
+                optimizer.zero_grad()
+                cluster.strategy.run(lambda i: F.cross_entropy(model(i), i[:, 0]).backward(),
+                                     args=(ids,))
+                optimizer.step()
+        assert model.embed.weight.untyped_storage().nbytes() == 10 * 4 * 4  # kept whole
+    finally:
+        cluster.close()
+
+
+def test_a_lookup_outside_the_table_fails_like_torchs():
+    cluster = Cluster(1)
+    try:
+        with cluster.strategy.scope():
+            model = torch.nn.Embedding(5, 2)
+        with pytest.raises(Exception, match="index out of range in self: Embedding has 5 "
+                                            "rows, the input holds row 7"):
+            cluster.strategy.run(lambda i: model(i).sum(), args=(torch.tensor([1, 7]),))
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("shards", [1, 2, 5])
+def test_the_checkpointed_ps_state_is_the_same_whatever_the_sharding(shards):
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(shards))
+    try:
+        train(cluster.strategy, True, "Adagrad", steps=3)
+        state = cluster.strategy.extended.ps_state()
+    finally:
+        cluster.close()
+    reference = _reference_state()
+    assert set(state["variables"]) == set(reference["variables"])
+    for var, value in reference["variables"].items():
+        torch.testing.assert_close(state["variables"][var], value, rtol=1e-6, atol=1e-7)
+        for slot, expected in reference["slots"][var].items():
+            torch.testing.assert_close(state["slots"][var][slot], expected, rtol=1e-6,
+                                       atol=1e-7)
+
+
+_REFERENCE: list = []
+
+
+def _reference_state() -> dict:
+    if not _REFERENCE:
+        cluster = Cluster(1)
+        try:
+            train(cluster.strategy, True, "Adagrad", steps=3)
+            _REFERENCE.append(cluster.strategy.extended.ps_state())
+        finally:
+            cluster.close()
+    return _REFERENCE[0]
+
+
+def test_a_checkpoint_of_one_sharding_restores_into_another():
+    cluster = Cluster(1)
+    try:
+        train(cluster.strategy, True, "Adagrad", steps=3)
+        saved = cluster.strategy.extended.ps_state()
+    finally:
+        cluster.close()
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(3))
+    try:
+        torch.manual_seed(1)  # other initial values: the restore must replace them
+        with cluster.strategy.scope():
+            model = Ranker(True)
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.3)
+        cluster.strategy.extended.load_ps_state(saved, optimizer)
+        again = cluster.strategy.extended.ps_state()
+    finally:
+        cluster.close()
+    for var, value in saved["variables"].items():
+        assert torch.equal(again["variables"][var], value)
+        for slot, expected in saved["slots"][var].items():
+            assert torch.equal(again["slots"][var][slot], expected), (var, slot)

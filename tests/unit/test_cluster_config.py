@@ -168,14 +168,34 @@ def test_settings_of_the_other_kind_say_which_kind_has_them():
 
 
 def test_settings_that_cannot_work_in_a_cluster():
-    found = problems(overrides=["dataset.distribute=per_replica",
-                                "strategy.compute_devices=[CPU:0]",
+    found = problems(overrides=["strategy.compute_devices=[CPU:0]",
                                 "strategy.num_gpus_per_worker=1"], environ=tf_config())
-    assert {p.path for p in found} == {"dataset.distribute", "strategy.num_gpus_per_worker"}
+    assert {p.path for p in found} == {"strategy.num_gpus_per_worker"}
     (problem,) = problems(overrides=["strategy.num_gpus_per_worker=64"], environ=tf_config())
     assert problem.path == "strategy.num_gpus_per_worker" and "GPU:" in problem.message
     (problem,) = problems(overrides=["strategy.variable_placement=even"], environ=tf_config())
     assert problem.path == "strategy.variable_placement"
+
+
+def test_per_replica_batches_work_in_a_cluster_and_divide_among_all_its_replicas():
+    # each worker reads its share through its own input pipeline (TF's dataset per worker)
+    config = load(overrides=["dataset.distribute=per_replica"], environ=tf_config())
+    assert config.dataset.distribute == "per_replica"
+    # 2 workers x 2 replicas: 8 divides among 4; 6 divides among a worker's 2, not all 4
+    load(overrides=["dataset.distribute=per_replica", "strategy.compute_devices=[CPU:0, "
+                    "CPU:1]"], environ=tf_config())
+    (problem,) = problems(overrides=["dataset.distribute=per_replica",
+                                     "strategy.compute_devices=[CPU:0, CPU:1]",
+                                     "dataset.steps.0.size=6"], environ=tf_config())
+    assert problem.path == "dataset.steps.0.size"
+    assert problem.message == ("the global batch size 6 does not divide among the job's 4 "
+                               "replicas (2 workers x 2; distribute: per_replica)")
+    assert problem.hint == "use a multiple of 4, e.g. 4"
+    # one that does not divide among a worker's own replicas is reported once
+    (problem,) = problems(overrides=["dataset.distribute=per_replica",
+                                     "strategy.compute_devices=[CPU:0, CPU:1]",
+                                     "dataset.steps.0.size=7"], environ=tf_config())
+    assert problem.path == "dataset.steps.0.size" and "among 2 replicas" in problem.message
 
 
 def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):

@@ -88,7 +88,7 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
     data, pipeline, found = check_data(dataset, train.seed if train is not None else 0)
     problems += found
     if data is not None and model is not None:
-        problems += check_model_on_data(model, data, dataset, strategy)
+        problems += check_model_on_data(model, data, dataset, strategy, optimizer)
     if isinstance(data, ImportedData) and data.iterable and train is not None and train.epochs:
         problems.append(Problem("train.epochs", "an IterableDataset has no known length, "
                                 "so an epoch's steps are unknown", "use train.steps"))

@@ -30,6 +30,7 @@ from ...cluster.resolvers import (TF_CONFIG_SHAPE, ClusterError, ClusterProblem,
                                   parse_tf_config, task_problems, training_problems)
 from ...config.problems import ConfigError, Problem
 from ...distribute.devices import DeviceError, resolve_devices
+from .devices import replica_count
 
 __all__ = ["cluster_problems", "cluster_resolver", "TF_CONFIG_ORIGIN", "TRAINING_JOBS"]
 
@@ -45,12 +46,10 @@ def cluster_problems(sections: dict[str, Any], environ: Mapping[str, str] | None
     strategy = sections.get("strategy")
     if strategy is None or strategy.kind != "parameter_server":
         return []
-    problems = _resolve(strategy, os.environ if environ is None else environ)[1]
+    resolver, problems = _resolve(strategy, os.environ if environ is None else environ)
     dataset = sections.get("dataset")
-    if dataset is not None and dataset.distribute != "global":
-        problems.append(Problem("dataset.distribute", "a parameter-server job takes "
-                                "`global` batches: every worker trains on its slice of "
-                                "each global batch", "set dataset.distribute: global"))
+    if resolver is not None and dataset is not None and dataset.distribute == "per_replica":
+        problems += _per_replica_problems(dataset, strategy, resolver.cluster_spec())
     if strategy.compute_devices is not None and strategy.num_gpus_per_worker:
         problems.append(Problem("strategy.num_gpus_per_worker", "is set together with "
                                 "compute_devices, which already names the replicas",
@@ -58,6 +57,24 @@ def cluster_problems(sections: dict[str, Any], environ: Mapping[str, str] | None
     elif strategy.num_gpus_per_worker:
         problems += _check_gpus(strategy.num_gpus_per_worker)
     return problems
+
+
+def _per_replica_problems(dataset: Any, strategy: Any, spec: ClusterSpec) -> list[Problem]:
+    """Per-replica batches divide the global batch among every replica of the job (each
+    worker's replicas times the training tasks), not only this worker's."""
+    workers = spec.num_tasks("chief") + spec.num_tasks("worker")
+    local = len(strategy.compute_devices) if strategy.compute_devices else \
+        strategy.num_gpus_per_worker or 1  # ParameterServerStrategy's default: CPU:0
+    replicas = workers * local
+    k, batch = next(((k, s) for k, s in enumerate(dataset.steps) if s.op == "batch"),
+                    (None, None))
+    # (one that does not divide among this worker's replicas is .data's to report)
+    if batch is None or batch.size % replicas == 0 or batch.size % replica_count(strategy):
+        return []
+    return [Problem(f"dataset.steps.{k}.size", f"the global batch size {batch.size} does "
+                    f"not divide among the job's {replicas} replicas ({workers} workers x "
+                    f"{local}; distribute: per_replica)", f"use a multiple of {replicas}, "
+                    f"e.g. {batch.size // replicas * replicas or replicas}")]
 
 
 def _check_gpus(count: int) -> list[Problem]:

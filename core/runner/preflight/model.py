@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...config.problems import ConfigError, ConfigNotice, Problem
+from ...cluster.embedding_lookup import SPARSE_OPTIMIZERS
 from ...config.user_code import CHECKED_FAILURES, UserCodeError, user_problem
 from ...data.imported import Collate, ImportedData, first_batch
 from ...distribute.device_lib import memory_bytes
@@ -28,7 +29,7 @@ from .devices import gib
 __all__ = ["check_model_on_data", "check_fit", "check_model_memory", "check_sparse_in_ps"]
 
 
-def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
+def check_model_on_data(model, data, dataset, strategy, optimizer=None) -> list[Problem]:
     """The model and its loss on a real batch of 2 examples (on the meta device first),
     then its memory on the parameter device and, in a ps job, its sparse gradients."""
     if isinstance(data, ImportedData):
@@ -44,7 +45,7 @@ def check_model_on_data(model, data, dataset, strategy) -> list[Problem]:
     with torch.device("meta"):  # built once for the checks that read its tensors
         built = build_model(model, data.feature_shape, data.outputs)
     return check_model_memory(model, built, data, strategy) or \
-        check_sparse_in_ps(model, built, strategy)
+        check_sparse_in_ps(model, built, strategy, optimizer)
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
@@ -155,19 +156,17 @@ def check_model_memory(model, built: torch.nn.Module, data, strategy) -> list[Pr
                     "labels: the classes are the largest label + 1")]
 
 
-def check_sparse_in_ps(model, built: torch.nn.Module, strategy) -> list[Problem]:
-    """A parameter-server job pushes dense gradients only: a module of ``built`` that
-    makes sparse ones (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``)
-    is refused here rather than failing at the first ``optimizer.step()`` in the
-    transport."""
-    if strategy.kind != "parameter_server":
+def check_sparse_in_ps(model, built: torch.nn.Module, strategy, optimizer) -> list[Problem]:
+    """In a ps job, sparse gradients (``nn.Embedding(sparse=True)``, ``EmbeddingBag``)
+    are applied on the ps tasks with the optimizer's sparse update: an optimizer without
+    one is refused here rather than at the first push."""
+    if strategy.kind != "parameter_server" or optimizer is None:
         return []
     sparse = [name or type(m).__name__ for name, m in built.named_modules()
               if getattr(m, "sparse", False) is True]
-    if not sparse:
+    if not sparse or optimizer.name in SPARSE_OPTIMIZERS:
         return []
-    field = "model.kwargs" if model.kind == "import" else "model"
-    return [Problem(field, f"{', '.join(sparse[:3])} make sparse gradients (sparse=True), "
-                    "which a parameter-server job cannot push to its ps tasks yet",
-                    "build the embedding with sparse=False (its rows then travel dense), "
-                    "or train with strategy.kind: central_storage, which applies them")]
+    return [Problem("optimizer.name", f"{', '.join(sparse[:3])} get sparse gradients "
+                    f"(sparse=True), which {optimizer.name} cannot apply on the ps tasks",
+                    f"use one of {', '.join(SPARSE_OPTIMIZERS)}, or build the embedding "
+                    "with sparse=False (its looked-up rows then update densely)")]

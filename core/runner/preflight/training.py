@@ -26,7 +26,6 @@ _NOT_IN_PS = {  # field: why a parameter-server job cannot have it
     "train.eval_every": "only the chief evaluates, at the end",
     "train.early_stopping": "only the chief evaluates, at the end",
     "checkpoint.keep_best": "only the chief evaluates, at the end",
-    "checkpoint.export": "the chief's final weights are not exported there",
     "optimizer.target": "the ps tasks rebuild the optimizer by its torch.optim name",
 }
 _DEFAULTS = {"train.accumulate_steps": 1, "train.precision": "fp32", "train.compile": False,
@@ -38,7 +37,7 @@ def check_training(sections: dict[str, Any]) -> list[Problem]:
     strategy, train = sections.get("strategy"), sections.get("train")
     checkpoint, dataset = sections.get("checkpoint"), sections.get("dataset")
     if strategy is not None and strategy.kind == "parameter_server":
-        return _parameter_server(sections)
+        return _parameter_server(sections) + check_needs_checkpoint_dir(checkpoint)
     problems: list[Problem] = []
     if train is not None:
         problems += _evaluation(train, checkpoint, dataset)

@@ -1,0 +1,134 @@
+"""Jobs with embedding tables through `csrun launch` (real processes on loopback): a
+sparse, partitioned job trains and reports what it moved; one worker's job ends on the
+same `params_sha256` whatever the shard count, and on central storage's values; a
+checkpoint of one sharding resumes in another."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+pytestmark = pytest.mark.process  # csrun launch starts the tasks
+
+RANKER = """\
+import torch
+
+
+class Ranker(torch.nn.Module):
+    \"\"\"Feature buckets looked up in two tables (one a bag), then a linear head.\"\"\"
+
+    def __init__(self, sparse=True, rows=5000):
+        super().__init__()
+        self.rows = rows
+        self.a = torch.nn.Embedding(rows, 8, sparse=sparse)
+        self.b = torch.nn.EmbeddingBag(rows, 8, mode="mean", sparse=sparse)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        ids = (x.abs() * 977).long() % self.rows
+        return self.head(torch.cat([self.a(ids[:, 0]), self.b(ids[:, 1:])], 1))
+"""
+
+CONFIG = """\
+strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
+dataset:
+  source: {kind: synthetic, examples: 512, features: 6, classes: 3}
+  holdout: 0.25
+  steps:
+    - {op: shuffle, buffer: 512}
+    - {op: batch, size: 32}
+model: {kind: import, target: "ranker:Ranker"}
+optimizer: {name: Adagrad, lr: 0.1}
+train: {steps: 30, log_every: 10}
+"""
+
+
+def launch(folder: Path, *args: str, config: str = CONFIG, timeout: float = 240):
+    folder.mkdir(exist_ok=True)
+    (folder / "c.yaml").write_text(config)
+    (folder / "ranker.py").write_text(RANKER)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_", "CSRUN_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "csrun.cli", *args], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+EXPORT = ("checkpoint.dir=ckpt", "checkpoint.export=safetensors")
+
+
+def shards(n: int) -> str:
+    return f"strategy.variable_partitioner={{kind: fixed, num_shards: {n}}}"
+
+
+@pytest.mark.timeout(300)
+def test_a_sparse_partitioned_job_trains_and_reports_what_it_moved(tmp_path):
+    done = launch(tmp_path / "job", "launch", "c.yaml", "--workers", "2", "--ps", "2",
+                  "--json", "r.json", shards(3))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "job" / "r.json").read_text())["result"]
+    cluster = report["cluster"]
+    assert cluster["updates"] == {"worker:0": 30, "worker:1": 30}
+    assert cluster["global_step"] == 60
+    assert len(cluster["variables"]["a.weight"].split(",")) == 3  # three shards
+    table_bytes = 2 * 5000 * 8 * 4
+    # each ps holds its shards and their Adagrad sums: together twice the tables (and
+    # the head), never a table more
+    held = sum(ps["held_bytes"] for ps in cluster["ps"].values())
+    assert 2 * table_bytes < held < 2 * table_bytes + 4096
+    for moved in cluster["worker_transfers"].values():
+        # 16 examples a step touch at most 16 + 16 * 5 rows of 32 bytes: both ways with
+        # their ids, six messages' headers and the head: far from the tables' 320 KB
+        per_step = moved["pushed_bytes_per_step"] + moved["pulled_bytes_per_step"]
+        assert moved["steps"] == 30 and per_step < 2 * 96 * (32 + 8) + 8192, moved
+    assert report["final_loss"] < report["first_loss"]
+    assert "moved" in done.stdout and "ps hold" in done.stdout
+
+
+@pytest.mark.timeout(400)
+def test_one_workers_job_ends_the_same_whatever_the_sharding_and_as_central_storage(
+        tmp_path):
+    digests, weights = [], []
+    for n in (1, 4):
+        folder = tmp_path / f"shards{n}"
+        done = launch(folder, "launch", "c.yaml", "--workers", "1", "--ps", "2",
+                      "--json", "r.json", shards(n), *EXPORT)
+        assert done.returncode == 0, done.stdout + done.stderr
+        digests.append(json.loads((folder / "r.json").read_text())["result"]["params_sha256"])
+        weights.append(safetensors.torch.load_file(folder / "ckpt" / "model.safetensors"))
+    assert digests[0] == digests[1]
+    assert weights[0]["a.weight"].shape == (5000, 8)  # the model's own keys and shapes
+    central = CONFIG.replace("{kind: parameter_server, compute_devices: [CPU:0], "
+                             "timeout_s: 60}", "{kind: central_storage, "
+                             "compute_devices: [CPU:0]}")
+    done = launch(tmp_path / "central", "train", "c.yaml", *EXPORT, config=central)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = safetensors.torch.load_file(tmp_path / "central" / "ckpt" /
+                                           "model.safetensors")
+    assert set(expected) == set(weights[0])
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[0][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_one_sharding_resumes_in_another(tmp_path):
+    folder = tmp_path / "job"
+    steps = ("train.steps=15", "checkpoint.dir=ckpt", "checkpoint.every_steps=15")
+    done = launch(folder, "launch", "c.yaml", "--workers", "1", "--ps", "1", "--json",
+                  "a.json", *steps)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = launch(folder, "launch", "c.yaml", "--workers", "1", "--ps", "2", "--resume",
+                  "--json", "b.json", shards(3), "checkpoint.dir=ckpt",
+                  "checkpoint.every_steps=15")
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = json.loads((folder / "b.json").read_text())["result"]
+    straight = launch(tmp_path / "straight", "launch", "c.yaml", "--workers", "1", "--ps",
+                      "1", "--json", "c.json")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    whole = json.loads((tmp_path / "straight" / "c.json").read_text())["result"]
+    assert resumed["params_sha256"] == whole["params_sha256"]

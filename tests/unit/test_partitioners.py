@@ -1,0 +1,102 @@
+"""TF's partitioners and where shards go: the split rule, placement, row routing, and the
+config's `strategy.variable_partitioner` (checked before anything runs)."""
+
+import pytest
+import torch
+
+from csrun.core import FixedShardsPartitioner, MinSizePartitioner, Partitioner
+from csrun.core.cluster.sharded_variable import Layout, partitioner_from_config
+from csrun.core.config.problems import ConfigError
+from csrun.core.runner.cluster_role import job_settings
+from csrun.core.runner.preflight import load_config_text
+
+
+def test_fixed_shards_as_tfs_docstring_says():
+    assert FixedShardsPartitioner(2)((10, 3), torch.float32) == [2, 1]
+    assert FixedShardsPartitioner(4).num_shards((3, 5), torch.float32) == 3  # one per row
+    assert FixedShardsPartitioner(4).num_shards((), torch.float32) == 1      # a scalar
+    with pytest.raises(ValueError, match="num_shards must be at least 1"):
+        FixedShardsPartitioner(0)
+
+
+def test_min_size_keeps_each_shard_at_least_min_shard_bytes():
+    partitioner = MinSizePartitioner(min_shard_bytes=400, max_shards=8)
+    assert partitioner.num_shards((100, 4), torch.float32) == 4  # 1600 bytes
+    assert partitioner.num_shards((10, 4), torch.float32) == 1   # 160 bytes: whole
+    assert MinSizePartitioner(1, max_shards=3).num_shards((100, 4), torch.float32) == 3
+    assert MinSizePartitioner().num_shards((1000, 4), torch.float32) == 1  # TF's defaults
+
+
+def test_a_partitioner_that_splits_anything_but_dim_0_is_refused_naming_it():
+    class Columns(Partitioner):
+        def __call__(self, shape, dtype):
+            return [1, 2]
+
+    with pytest.raises(ValueError, match=r"Columns returned \[1, 2\] for shape \[6, 4\]; "
+                                         r"a partitioner splits dim 0 only"):
+        Layout.of([torch.zeros(6, 4)], 2, partitioner=Columns())
+
+
+def test_shards_split_rows_tfs_way_and_go_round_robin_as_variables_would():
+    layout = Layout.of([torch.zeros(10, 2), torch.zeros(3)], 2,
+                       partitioner=FixedShardsPartitioner(3))
+    assert [(s.var, s.start, s.stop, s.ps) for s in layout.shards] == [
+        (0, 0, 4, 0), (0, 4, 7, 1), (0, 7, 10, 0), (1, 0, 1, 1), (1, 1, 2, 0), (1, 2, 3, 1)]
+    ids = torch.tensor([0, 3, 4, 9])
+    routed = [(shard.id, ids[where].tolist()) for shard, where in layout.split_rows(0, ids)]
+    assert routed == [(0, [0, 3]), (1, [4]), (2, [9])]
+
+
+def test_unpartitioned_and_colocated_variables_stay_whole():
+    layout = Layout.of([torch.zeros(10, 2), torch.zeros(8)], 3, colocate={1: 0},
+                       partitioner=FixedShardsPartitioner(2))
+    assert [(s.var, s.rows) for s in layout.shards] == [(0, 5), (0, 5), (1, 8)]
+    assert layout.owner(1) == layout.owner(0)
+
+
+CONFIG = """\
+strategy:
+  kind: parameter_server
+  cluster: {worker: ["127.0.0.1:2"], ps: ["127.0.0.1:3", "127.0.0.1:4"]}
+  task: {type: worker, index: 0}
+  variable_partitioner: PARTITIONER
+dataset:
+  source: {kind: synthetic, examples: 32, features: 4, classes: 3}
+  steps: [{op: batch, size: 8}]
+model: {kind: mlp, hidden: [8]}
+optimizer: {name: SGD, lr: 0.1}
+train: {steps: 2}
+"""
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("{kind: fixed, num_shards: 3}", FixedShardsPartitioner),
+    ("{kind: min_size, min_shard_bytes: 1024, max_shards: 4}", MinSizePartitioner),
+])
+def test_the_config_gives_tfs_partitioners_and_every_task_must_agree(text, expected):
+    config = load_config_text(CONFIG.replace("PARTITIONER", text), "c.yaml")
+    assert isinstance(partitioner_from_config(config.strategy.variable_partitioner), expected)
+    assert job_settings(config)["strategy.variable_partitioner"]["kind"] in text
+
+
+@pytest.mark.parametrize("text, path", [
+    ("{kind: fixed, num_shards: 0}", "strategy.variable_partitioner.num_shards"),
+    ("{kind: min_size, max_shards: 0}", "strategy.variable_partitioner.max_shards"),
+    ("{kind: rows}", "strategy.variable_partitioner"),
+])
+def test_a_partitioner_that_cannot_split_is_refused_before_anything_runs(text, path):
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(CONFIG.replace("PARTITIONER", text), "c.yaml")
+    assert any(p.path.startswith(path) for p in caught.value.problems), caught.value.problems
+
+
+def test_a_partitioner_in_a_central_storage_config_is_refused():
+    text = CONFIG.replace("PARTITIONER", "{kind: fixed, num_shards: 2}").replace(
+        "parameter_server", "central_storage")
+    text = "\n".join(line for line in text.splitlines() if "cluster" not in line
+                     and "task:" not in line)
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text, "c.yaml")
+    (problem,) = [p for p in caught.value.problems
+                  if p.path == "strategy.variable_partitioner"]
+    assert "kind: parameter_server" in problem.hint
