@@ -500,12 +500,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--measures", default="bytes,speed,links,memory", help="which, comma-separated")
-    add("--steps", type=int, default=100, help="measured steps per worker, rows served")
+    add("--steps", type=int, default=300, help="measured steps per worker, rows served")
     add("--dense-steps", type=int, default=6, help="measured steps, whole tables")
-    add("--links-steps", type=int, default=100, help="measured steps per --links cell")
+    add("--links-steps", type=int, default=200, help="measured steps per --links cell")
     add("--memory-steps", type=int, default=3, help="measured steps, 1 GiB table")
     add("--warmup", type=int, default=2, help="steps before measuring")
-    add("--rounds", type=int, default=3, help="speed: pairs (whole tables, rows) at --batch")
+    add("--rounds", type=int, default=5, help="speed: pairs (whole tables, rows) at --batch")
     add("--speed-batches", type=lambda t: [int(n) for n in t.split(",")],
         default=[512, 8192], help="speed: global batches besides --batch")
     add("--batch", type=int, default=2048, help="global batch")
