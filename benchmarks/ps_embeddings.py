@@ -208,7 +208,7 @@ def task(args) -> int:
         loss.backward()
         return loss.detach(), torch.tensor(labels.shape[0])
 
-    losses, examples, begin, first = [], 0, None, None
+    losses, examples, begin, first, ticks = [], 0, None, None, []
     with strategy.scope():
         for i, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
             if i == args.warmup:
@@ -219,6 +219,7 @@ def task(args) -> int:
             optimizer.step()
             losses.append(float(loss))
             examples += int(count) if i >= args.warmup else 0
+            ticks.append(time.perf_counter())
     end, last, steady = time.time(), transfer_stats(strategy), memory()
     strategy.extended.finish()
     bounds = [touched_bytes(ids, tables, args.dim, dense_bytes, num_ps) for ids in looked_up]
@@ -226,6 +227,7 @@ def task(args) -> int:
     Path(args.result).write_text(json.dumps({
         "begin": begin, "end": end, "examples": examples, "losses": losses,
         "steps": args.steps, "stats": _delta(first, last), "bounds": bounds,
+        "step_seconds": [b - a for a, b in zip(ticks[args.warmup:], ticks[args.warmup + 1:])],
         "dense_bytes": dense_bytes, "table_bytes": table_bytes,
         "ps_held_bytes": [log.get("held_bytes") for log in logs],
         "memory": {"before_model": before_model["rss"], "steady": steady["rss"],
@@ -257,6 +259,18 @@ def tables_of(model: str, args) -> list[int]:
     return [max(16, round(rows * args.rows_scale)) for rows in MODELS[model]]
 
 
+def task_argv(spec: dict, tables: list[int], args, barrier_dir: Path) -> list[str]:
+    """This script as one of ``spec``'s tasks (``--task`` and ``--result`` follow)."""
+    return [sys.executable, __file__, "--tables", ",".join(map(str, tables)),
+            "--serve", spec["serve"], "--steps", str(spec["steps"] or args.steps),
+            "--warmup", str(args.warmup), "--batch", str(spec["batch"] or args.batch),
+            "--dim", str(args.dim), "--hotness", str(args.hotness), "--zipf", str(args.zipf),
+            "--optimizer", args.optimizer, "--lr", str(args.lr), "--barrier", str(barrier_dir),
+            "--parties", str(spec["workers"])] + (
+            [] if args.sparse else ["--dense-grads"]) + (
+            [] if args.partition else ["--no-partition"])
+
+
 def run_variant(spec: dict, args, folder: Path, hosts=None) -> dict:
     """Start the variant's tasks (on loopback, or each on a host of ``hosts``), wait for
     them; their figures."""
@@ -271,13 +285,7 @@ def run_variant(spec: dict, args, folder: Path, hosts=None) -> dict:
     barrier_dir = folder / f"barrier-{spec['name']}-{time.monotonic_ns()}"
     barrier_dir.mkdir()
     tables = tables_of(spec["model"], args)
-    common = [sys.executable, __file__, "--tables", ",".join(map(str, tables)),
-              "--serve", spec["serve"], "--steps", str(spec["steps"] or args.steps),
-              "--warmup", str(args.warmup), "--batch", str(spec["batch"] or args.batch), "--dim", str(args.dim),
-              "--hotness", str(args.hotness), "--zipf", str(args.zipf), "--optimizer",
-              args.optimizer, "--lr", str(args.lr), "--barrier", str(barrier_dir),
-              "--parties", str(workers)] + (["--dense-grads"] if not args.sparse else []) + (
-              [] if args.partition else ["--no-partition"])
+    common = task_argv(spec, tables, args, barrier_dir)
     tasks = [("ps", k, 1) for k in range(ps)] + [
         ("worker", i, max(1, (os.cpu_count() or 1) // workers)) for i in range(workers)]
     procs, results = [], []
@@ -316,6 +324,10 @@ def figures(spec: dict, tables: list[int], args, results: dict) -> dict:
     return {**spec, "steps": workers[0]["steps"], "batch": spec["batch"] or args.batch,
             "tables": tables,
             "examples_per_s": examples / span, "seconds": span, "examples": examples,
+            # robust to other jobs' bursts: each worker's typical step
+            "median_step_examples_per_s": sum(
+                w["examples"] / w["steps"] / statistics.median(w["step_seconds"])
+                for w in workers if w["step_seconds"]) or None,
             "first_loss": sum(head) / len(head), "final_loss": sum(tail) / len(tail),
             "bytes_per_step": measured if measured is not None else (
                 whole if spec["serve"] == "dense" else None),
@@ -376,10 +388,14 @@ def measure_speed(args, folder: Path, have: dict) -> dict:
         cell = {"batch": batch, "rounds": pairs}
         if have["serve_embedding_rows"]:
             ratios = [p["rows"]["examples_per_s"] / p["dense"]["examples_per_s"] for p in pairs]
+            typical = [p["rows"]["median_step_examples_per_s"] /
+                       p["dense"]["median_step_examples_per_s"] for p in pairs]
             cell.update(speedup=statistics.median(ratios), speedup_min=min(ratios),
-                        speedup_max=max(ratios))
-            print(f"  batch {batch}: rows / whole tables {cell['speedup']:.1f}x "
-                  f"(rounds {', '.join(f'{r:.1f}' for r in ratios)})", flush=True)
+                        speedup_max=max(ratios), speedup_rounds=ratios,
+                        speedup_median_step=statistics.median(typical))
+            print(f"  batch {batch}: rows / whole tables {cell['speedup']:.1f}x (rounds "
+                  f"{', '.join(f'{r:.1f}' for r in ratios)}); of the median steps "
+                  f"{cell['speedup_median_step']:.1f}x", flush=True)
         sweep.append(cell)
     judged = next(c for c in sweep if c["batch"] == args.batch)
     return {"batch": args.batch, "speedup": judged.get("speedup"), "sweep": sweep,
