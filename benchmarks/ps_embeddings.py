@@ -337,6 +337,8 @@ def figures(spec: dict, tables: list[int], args, results: dict) -> dict:
             "busiest_ps_bytes_per_step": mean("busiest_ps"),
             "unique_rows_per_step": mean("unique_rows"), "lookups_per_step": mean("lookups"),
             "worker_memory": workers[0]["memory"], "ps_memory": ps[0]["memory"]["maxrss"],
+            # the machine's 1-minute load as the variant ended: this run's tasks and others'
+            "load_average": os.getloadavg()[0],
             "ps_held_bytes": next((w["ps_held_bytes"] for w in workers if w["ps_held_bytes"]),
                                   None)}
 
@@ -458,7 +460,7 @@ def variant_row(name: str, v: dict) -> str:
             f"{mib:10.3f} MiB/step (bound {v['bound_bytes_per_step'] / 2**20:.3f})  "
             f"loss {v['first_loss']:.3f} -> {v['final_loss']:.3f}  worker peak "
             f"{v['worker_memory']['peak'] / 2**20:.0f} MiB, steady "
-            f"{v['worker_memory']['steady'] / 2**20:.0f} MiB")
+            f"{v['worker_memory']['steady'] / 2**20:.0f} MiB; load {v['load_average']:.1f}")
 
 
 def targets(result: dict) -> list[dict]:
