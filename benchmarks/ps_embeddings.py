@@ -6,7 +6,7 @@ A DLRM-like model on synthetic clicks: 13 dense features through a bottom MLP
 ``nn.Embedding``), DLRM's dot interaction, a top MLP (-64-1) and a logit; BCE loss, SGD
 (or Adagrad). Ids follow a Zipf-like law (exponent ``--zipf``) whose ranks a fixed hash
 scatters over the table; a click is a hidden rule of the dense features and the ids, so
-the loss falls. Each worker reads every global batch and keeps its slice.
+the loss falls. Each worker trains on its slice of every global batch.
 
 Four measures, each its variants side by side (ps and workers are processes of this
 script, started as ``parameter_server.py`` starts them; a worker gets
@@ -24,7 +24,7 @@ c. **links**: 1, 2, 4 workers x 1, 2 ps, each task a network namespace with its 
 d. **memory**: a worker's peak (``ru_maxrss``) and steady-state RSS with a 1 GiB table
    (8,388,608 x 32 float32), rows served against whole tables.
 
-    python benchmarks/ps_embeddings.py --json emb.json        # everything, ~9 min on 2 cores
+    python benchmarks/ps_embeddings.py --json emb.json        # everything, 5 to 8 min on 2 cores
     python benchmarks/ps_embeddings.py --quick                  # a smoke run, tiny tables
     python benchmarks/ps_embeddings.py --measures bytes,speed   # some of it
 """
@@ -53,7 +53,7 @@ ID_BYTES = 8  # an int64 row id travels with each row
 
 
 # -- the model and its data (run in the tasks) -----------------------------------------
-def build_model(tables, dim: int, hotness: int, sparse: bool):
+def build_model(tables, dim: int, sparse: bool):
     import torch
     import torch.nn as nn
 
@@ -193,7 +193,7 @@ def task(args) -> int:
     before_model = memory()
     torch.manual_seed(0)
     with strategy.scope():
-        model = build_model(tables, args.dim, args.hotness, sparse)
+        model = build_model(tables, args.dim, sparse)
         optimizer = (torch.optim.Adagrad if args.optimizer == "adagrad" else torch.optim.SGD)(
             model.parameters(), lr=args.lr)
     dense_bytes = sum(p.numel() * 4 for n, p in model.named_parameters()
