@@ -95,7 +95,7 @@ class ClusterConfig(_Section):
         default_factory=list, description="At most one chief: it trains, writes the "
         "checkpoints and the result, and ends the job. Without one, `worker:0` does.")
     worker: list[Address] = Field(default_factory=list, description="The workers: each "
-                                  "trains on its slice of every global batch.")
+                                  "trains on its share of every global batch.")
     ps: list[Address] = Field(default_factory=list, description="The parameter servers "
                               "(at least one): they hold the variables and apply updates.")
 

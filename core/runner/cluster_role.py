@@ -6,10 +6,11 @@ the ``ParameterServerStrategy`` built from them:
 
 * a **ps** task serves its share of the variables until the chief ends the job
   (``strategy.extended.join()``), and exits 0;
-* a **worker** trains as a central-storage run does, on its slice of every global batch
-  (``experimental_distribute_dataset`` keeps this worker's replicas' part). Its loss is
-  divided by the *cluster-wide* global batch, so the workers' gradients add up to the
-  gradient of the global-batch mean; ``optimizer.step()`` pushes them to the ps tasks;
+* a **worker** trains as a central-storage run does, on its share of every global batch
+  (it reads only that: :mod:`csrun.core.runner.batches`). Its loss is divided by the
+  *cluster-wide* global batch, so the workers' gradients add up to the gradient of the
+  global-batch mean; ``optimizer.step()`` pushes them to the ps tasks. A restarted
+  worker continues at the steps the ps tasks applied for it;
 * the **chief** (the ``chief`` task, else ``worker:0``) also writes the checkpoints (with
   every ps task's variables and optimizer state), waits for the other workers at the end,
   evaluates the holdout on the final values, ends the job, and reports lost workers.

@@ -234,3 +234,18 @@ def test_a_checkpoint_of_one_sharding_restores_into_another():
         assert torch.equal(again["variables"][var], value)
         for slot, expected in saved["slots"][var].items():
             assert torch.equal(again["slots"][var][slot], expected), (var, slot)
+
+
+@pytest.mark.parametrize("sparse,optimizer", [(True, "Adagrad"), (False, "Adam")])
+def test_two_local_replicas_end_where_central_storages_two_do(sparse, optimizer):
+    devices = ["CPU:0", "CPU:1"]
+    model = train(CentralStorageStrategy(devices), sparse, optimizer)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2),
+                      compute_devices=devices)
+    try:
+        got = train(cluster.strategy, sparse, optimizer).state_dict()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    finally:
+        cluster.close()
