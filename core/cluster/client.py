@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .sharded_variable import Shard
-from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
+from .transport import (ABORTED, ASSIGN, BYE, MAX_PAYLOAD, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
                         REGISTER, STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
                         ParameterServerError, Stopped, agree, connect_store, decode,
                         encode, flat_by_dtype, gloo_device, pack_state, poll_until,
@@ -51,6 +51,15 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
 
 _TRAINING = (PUSH_PULL, LOOKUP, PULL)  # what a step moves (not registration, checkpoints)
 CLAIM_GRACE_S = 5.0
+
+
+def _with_values(meta: dict, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A registration with its values: each shard's own flat view when few enough (no
+    copy: a GiB table must not be doubled on the worker), else one flat per dtype."""
+    if len(values) < MAX_PAYLOAD:
+        return [encode({**meta, "with_values": "per_shard"})] + \
+            [v.contiguous().view(-1) for v in values]
+    return [encode({**meta, "with_values": "by_dtype"})] + flat_by_dtype(values)
 
 
 @dataclasses.dataclass
@@ -198,8 +207,7 @@ class ParameterServerClient:
                                for s, t, flags in shards]}
             reply = self._call(k, REGISTER, [encode(meta)])
             if decode(reply[0])["need_values"]:
-                reply = self._call(k, REGISTER, [encode({**meta, "with_values": True})] +
-                                   flat_by_dtype([t for _, t, _ in shards]))
+                reply = self._call(k, REGISTER, _with_values(meta, [t for _, t, _ in shards]))
             if whole[k]:
                 with torch.no_grad():
                     unflatten_into(whole[k], reply[1:])

@@ -204,8 +204,12 @@ class ParameterServer:
             return [encode({"need_values": False})] + self._values()
         if not meta.get("with_values"):
             return [encode({"need_values": True})]
-        variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for v in specs]
-        unflatten_into(variables, flats)
+        if meta["with_values"] == "per_shard":  # the received buffers themselves
+            variables = [f.view(v["shape"]) for v, f in zip(specs, flats)]  # id order
+        else:
+            variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
+                         for v in specs]
+            unflatten_into(variables, flats)
         for spec, tensor in zip(specs, variables):
             self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
             self._specs[spec["id"]] = spec
