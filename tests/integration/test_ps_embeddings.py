@@ -249,3 +249,34 @@ def test_two_local_replicas_end_where_central_storages_two_do(sparse, optimizer)
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
     finally:
         cluster.close()
+
+
+def test_a_checkpoint_by_ps_task_of_an_earlier_csrun_resumes_unpartitioned_only():
+    cluster = Cluster(2)
+    try:
+        model = train(cluster.strategy, True, "Adagrad", steps=2)
+        ext = cluster.strategy.extended
+        by_task = ext._remote().client.state()  # what earlier checkpoints held
+        for state in by_task:  # as they were written: no order of shards
+            state.pop("order"), state.pop("groups")
+        expected = model.state_dict()
+        optimizer = ext._remote()._optimizer
+        for dense, user, items, y in batches(2):  # move on, then go back
+            optimizer.zero_grad()
+            cluster.strategy.run(lambda d, u, i, t: F.binary_cross_entropy_with_logits(
+                model(d, u, i), t).backward(), args=(dense, user, items, y))
+            optimizer.step()
+        assert not torch.equal(model.state_dict()["users.weight"], expected["users.weight"])
+        ext.load_ps_state(by_task)
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, expected[key]), key
+    finally:
+        cluster.close()
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2))
+    try:
+        train(cluster.strategy, True, "Adagrad", steps=1)
+        with pytest.raises(ValueError, match="resume it without "
+                                             "strategy.variable_partitioner"):
+            cluster.strategy.extended.load_ps_state(by_task)
+    finally:
+        cluster.close()
