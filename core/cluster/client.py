@@ -49,7 +49,7 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
                                 f"{transport_error(exc)}; the job cannot go on without it")
 
 
-_TRAINING = (PUSH_PULL, LOOKUP, PULL)  # what a step moves (not registration, checkpoints)
+_TRAINING = (PUSH_PULL, LOOKUP)  # what a step moves (not registration, pulls, checkpoints)
 CLAIM_GRACE_S = 5.0
 
 

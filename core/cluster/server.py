@@ -35,6 +35,10 @@ class _Refused(Exception):
     """A worker's request that cannot be served (its model is not the job's)."""
 
 
+class _Failed(Exception):
+    """A worker's update that the ps could not apply (the job cannot go on with it)."""
+
+
 class ParameterServer:
     """A ``ps`` task: holds a shard of the variables and applies pushed gradients."""
 
@@ -159,6 +163,9 @@ class ParameterServer:
                     answer = self._answer(op, payload, worker)
                 except _Refused as refused:
                     channel.send(REFUSED, [encode(str(refused))])
+                    continue
+                except _Failed as failed:  # the worker fails with it (exit 1)
+                    channel.send(ABORTED, [encode(str(failed))])
                     continue
                 channel.send(op, answer)
         except RuntimeError as exc:  # the peer died or its connection broke
@@ -308,8 +315,8 @@ class ParameterServer:
                 group["lr"] = lrs[index]
         try:
             self._optimizer.step()
-        except RuntimeError as exc:  # e.g. an optimizer without sparse updates
-            raise _Refused(f"ps:{self.task_id} cannot apply the update with "
+        except (RuntimeError, ValueError) as exc:  # e.g. no sparse update for a setting
+            raise _Failed(f"ps:{self.task_id} cannot apply the update with "
                            f"{type(self._optimizer).__name__}: {exc}") from None
         self.version += 1
         self.log.append((worker, self.version))

@@ -163,7 +163,8 @@ def connect(config, stop: threading.Event | None = None) -> ParameterServerStrat
             cluster_resolver(s), s.num_gpus_per_worker, compute_devices=s.compute_devices,
             variable_placement=s.variable_placement, timeout=s.timeout_s,
             options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution),
-            stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner))
+            stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner),
+            serve_embedding_rows=s.serve_embedding_rows)
     except ParameterServerError as exc:
         raise RunError(str(exc)) from None
 
@@ -177,7 +178,8 @@ def job_settings(config) -> dict[str, Any]:
     settings.update({"train.steps": config.train.steps, "train.epochs": config.train.epochs,
                      "strategy.variable_placement": config.strategy.variable_placement,
                      "strategy.variable_partitioner":
-                         partitioner.model_dump() if partitioner is not None else None})
+                         partitioner.model_dump() if partitioner is not None else None,
+                     "strategy.serve_embedding_rows": config.strategy.serve_embedding_rows})
     return settings
 
 
@@ -264,7 +266,12 @@ class ClusterRole:
         ``--resume``; a fresh one where the chief starts."""
         if self.is_chief:
             if self._restored is not None:
-                self.ext.load_ps_state(self._restored, optimizer)
+                try:
+                    self.ext.load_ps_state(self._restored, optimizer)
+                except ValueError as exc:  # a checkpoint by ps task, into shards
+                    raise ConfigError([Problem("strategy.variable_partitioner", str(exc),
+                                               "resume without it, then save again")]
+                                      ) from None
                 self.ext.set_worker_steps(int(where["step"]))
                 self._restored = None
             self.ext.mark_initialized(where)

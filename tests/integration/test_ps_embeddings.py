@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from csrun.core import (CentralStorageStrategy, FixedShardsPartitioner, MinSizePartitioner,
-                        ParameterServerStrategy)
+                        ParameterServerStrategy, StrategyOptions)
 from csrun.core.runner.launch import free_ports
 
 pytestmark = pytest.mark.timeout(180)
@@ -278,5 +278,86 @@ def test_a_checkpoint_by_ps_task_of_an_earlier_csrun_resumes_unpartitioned_only(
         with pytest.raises(ValueError, match="resume it without "
                                              "strategy.variable_partitioner"):
             cluster.strategy.extended.load_ps_state(by_task)
+    finally:
+        cluster.close()
+
+
+class Scaled(torch.nn.Embedding):
+    """A subclass with a forward of its own (Hugging Face's scaled embeddings)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 10.0
+
+
+class ReadsTheWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):  # an L2 penalty reads the table whole
+        return self.embed(ids).sum() + self.embed.weight.pow(2).sum()
+
+
+def test_a_replica_reading_a_served_tables_weight_is_refused_naming_it():
+    cluster = Cluster(1)
+    try:
+        with cluster.strategy.scope():
+            model = ReadsTheWeight()
+        with pytest.raises(Exception, match=r"Embedding.weight is an embedding table served "
+                                            r"by rows .* strategy.serve_embedding_rows: false"):
+            cluster.strategy.run(lambda i: model(i).backward(), args=(torch.tensor([1]),))
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: Scaled(10, 4), r"Scaled\(10, 4\): Scaled has a forward of its own"),
+])
+def test_a_table_that_cannot_be_served_by_rows_is_served_whole_and_trains_right(make, why):
+    def run(strategy):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = make()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            strategy.run(lambda i: model(i).pow(2).sum().backward(),
+                         args=(torch.tensor([1, 2]),))
+            optimizer.step()
+        return model.weight.detach().clone()
+
+    expected = run(CentralStorageStrategy(["CPU:0"]))
+    cluster = Cluster(1)
+    try:
+        with pytest.warns(UserWarning, match=why):
+            got = run(cluster.strategy)
+        torch.testing.assert_close(got, expected)
+    finally:
+        cluster.close()
+
+
+def test_replicas_with_copies_read_tables_whole():
+    cluster = Cluster(1, options=StrategyOptions(copy_parameters=True))
+    try:
+        with cluster.strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Embedding(10, 4)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.warns(UserWarning, match="its replicas get copies"):
+            cluster.strategy.run(lambda i: model(i).sum().backward(),
+                                 args=(torch.tensor([1]),))
+        optimizer.step()
+        assert model.weight.untyped_storage().nbytes() == 10 * 4 * 4
+    finally:
+        cluster.close()
+
+
+def test_a_workers_optimizer_keeps_no_state_of_a_served_table():
+    cluster = Cluster(1)
+    try:
+        model = train(cluster.strategy, True, "Adagrad", steps=1)
+        optimizer = cluster.strategy.extended._remote()._optimizer
+        assert model.users.weight not in optimizer.state  # Adagrad's sum of it: on the ps
+        assert model.tower.weight in optimizer.state  # (made at construction, unused)
     finally:
         cluster.close()
