@@ -60,7 +60,8 @@ def test_a_ps_config_whose_optimizer_cannot_apply_sparse_gradients_is_refused(ta
     with pytest.raises(ConfigError) as caught:
         load_config_text(text, "c.yaml", environ=TF_CONFIG)
     (problem,) = [p for p in caught.value.problems if p.path == "optimizer.name"]
-    assert "table get sparse gradients" in problem.message and "Adam" in problem.message
+    assert "table.weight get sparse gradients" in problem.message
+    assert "Adam" in problem.message
     assert "SGD, Adagrad, SparseAdam" in problem.hint and "sparse=False" in problem.hint
 
 

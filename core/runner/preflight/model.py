@@ -163,7 +163,7 @@ def check_sparse_in_ps(model, built: torch.nn.Module, strategy, optimizer) -> li
     at the first push."""
     if strategy.kind != "parameter_server" or optimizer is None:
         return []
-    sparse = [name or type(m).__name__ for name, m in built.named_modules()
+    sparse = [f"{name}.weight" if name else "weight" for name, m in built.named_modules()
               if getattr(m, "sparse", False) is True]
     cls = getattr(torch.optim, optimizer.name, None)
     if not sparse or not isinstance(cls, type):
