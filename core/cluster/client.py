@@ -311,10 +311,12 @@ class ParameterServerClient:
         key = f"steps/{task or self.task}"
         return self._store.add(key, 0) if self._store.check([key]) else None
 
-    def set_steps(self, step: int) -> None:
-        """A restored job: every worker starts from the checkpoint's step."""
-        for task in self._worker_tasks():
+    def set_steps(self, steps: dict[str, int]) -> None:
+        """A restored job: each worker's applied steps (it goes on from there); the
+        global step is their sum."""
+        for task, step in steps.items():
             self._store.set(f"steps/{task}", str(int(step)))
+        self.set_global_step(sum(steps.values()))
 
     def set_global_step(self, step: int) -> None:
         self._store.set("global_step", str(int(step)))

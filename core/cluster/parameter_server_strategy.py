@@ -382,36 +382,42 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         the ps tasks (for the chief's checkpoints; :mod:`.sharded_state`)."""
         store = self._remote()
         store.ensure_registered()
-        return whole_state(store.client.state(), store.layout)
+        state = whole_state(store.client.state(), store.layout)
+        # every worker's applied steps: a resumed job goes on from each one's own
+        state["steps"] = {t: store.client.steps_done(t) or 0 for t in self._worker_tasks}
+        return state
 
-    def load_ps_state(self, states: list[dict],
-                      optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Restore the parameter servers from :meth:`ps_state` output.
+    def load_ps_state(self, states: dict | list[dict],
+                      optimizer: torch.optim.Optimizer | None = None,
+                      step: int | None = None) -> None:
+        """Restore the parameter servers from :meth:`ps_state` output, and every worker's
+        step count with them (the global step is their sum).
 
         Pass the ``optimizer`` (made in ``scope()``) to restore its state too: the ps
-        tasks build theirs from it first, so its state has somewhere to go.
+        tasks build theirs from it first, so its state has somewhere to go. ``step``:
+        every worker's count where the state has none (a checkpoint of an earlier
+        csrun), e.g. the chief's restored step.
         """
         store = self._remote()
         store.ensure_registered()
         if optimizer is not None:
             store.ensure_optimizer(optimizer)
-        if isinstance(states, dict) and states.get("format") == FORMAT:
-            states = split_state(states, store.layout, store.client.state())
-        elif any(store.layout.partitioned(v) for v in range(len(store.layout.shapes))):
+        if not (isinstance(states, dict) and states.get("format") == FORMAT) and \
+                any(store.layout.partitioned(v) for v in range(len(store.layout.shapes))):
             raise ValueError("the checkpoint holds the ps tasks' state of an earlier csrun, "
                              "by ps task; resume it without strategy.variable_partitioner "
                              "(and with the same ps count), then save again")
+        steps = states.get("steps") if isinstance(states, dict) else None
+        if isinstance(states, dict):
+            states = split_state(states, store.layout, store.client.state())
         store.client.load(states)
-        # every push reaches every ps that holds variables: the busiest one counted them all
-        store.client.set_global_step(max(int(s.get("version", 0)) for s in states))
+        if steps is None and step is not None:
+            steps = {task: step for task in self._worker_tasks}
+        if steps is not None:
+            store.client.set_steps({t: int(steps.get(t, 0)) for t in self._worker_tasks})
+        else:  # every push reaches every ps that holds variables: the busiest counted all
+            store.client.set_global_step(max(int(s.get("version", 0)) for s in states))
         self.pull()
-
-    def set_worker_steps(self, step: int) -> None:
-        """A restored job: every worker has done ``step`` steps (it starts there) and the
-        global step is their sum."""
-        client = self._remote().client
-        client.set_steps(step)
-        client.set_global_step(step * len(self._worker_tasks))
 
     def steps_done(self, task: str | None = None) -> int | None:
         """Steps the ps tasks applied for ``task`` (default: this worker) in this job;

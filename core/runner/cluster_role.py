@@ -261,18 +261,17 @@ class ClusterRole:
     def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
         """The chief initializes the variables (restores the ps tasks from its
         checkpoint, every worker's step count with them) and lets the other workers go.
-        Another worker starts at the steps the ps tasks applied for it in this job: a
-        restarted one goes on where it was (no step is trained twice), with or without
-        ``--resume``; a fresh one where the chief starts."""
+        Another worker starts at the steps the ps tasks applied for it in this job (or
+        the checkpoint's count of them): a restarted or resumed one goes on where it
+        was (no step is trained twice); a fresh one where the chief starts."""
         if self.is_chief:
             if self._restored is not None:
-                try:
-                    self.ext.load_ps_state(self._restored, optimizer)
+                try:  # each worker's steps with them (an older checkpoint: the chief's)
+                    self.ext.load_ps_state(self._restored, optimizer, int(where["step"]))
                 except ValueError as exc:  # a checkpoint by ps task, into shards
                     raise ConfigError([Problem("strategy.variable_partitioner", str(exc),
                                                "resume without it, then save again")]
                                       ) from None
-                self.ext.set_worker_steps(int(where["step"]))
                 self._restored = None
             self.ext.mark_initialized(where)
             return where
