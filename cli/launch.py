@@ -17,7 +17,7 @@ def launch(
         metavar="KEY=VALUE", help="Overrides for every task (override > file > default).",
         show_default=False)] = None,
     workers: Annotated[int, typer.Option(
-        "--workers", metavar="N", help="Worker tasks; each trains on its slice of every "
+        "--workers", metavar="N", help="Worker tasks; each reads and trains on its share of every "
         "global batch.", show_default=False)] = ...,
     ps: Annotated[int, typer.Option(
         "--ps", metavar="M", help="Parameter-server tasks; they hold the variables.",

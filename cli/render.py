@@ -421,7 +421,8 @@ class View:
                            f"steps/s, {t['wall_s']:.1f} s training"),
                  ("per step", _phases(result.phases_s)),
                  ("replicas", self._balance(result)),
-                 ("params_sha256", _shortened(result.params_sha256, self._room(2)))]
+                 ("params_sha256", _shortened(result.params_sha256, self._room(2))
+                  if result.params_sha256 else "- (the chief reports the job's)")]
         rows += _cluster_rows(getattr(result, "cluster", None))
         if result.early_stopped:
             stop = result.early_stopped

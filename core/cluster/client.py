@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .sharded_variable import Shard
-from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
+from .transport import (ABORTED, ASSIGN, BYE, MAX_PAYLOAD, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
                         REGISTER, STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
                         ParameterServerError, Stopped, agree, connect_store, decode,
                         encode, flat_by_dtype, gloo_device, pack_state, poll_until,
@@ -49,8 +49,17 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
                                 f"{transport_error(exc)}; the job cannot go on without it")
 
 
-_TRAINING = (PUSH_PULL, LOOKUP, PULL)  # what a step moves (not registration, checkpoints)
+_TRAINING = (PUSH_PULL, LOOKUP)  # what a step moves (not registration, pulls, checkpoints)
 CLAIM_GRACE_S = 5.0
+
+
+def _with_values(meta: dict, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A registration with its values: each shard's own flat view when few enough (no
+    copy: a GiB table must not be doubled on the worker), else one flat per dtype."""
+    if len(values) < MAX_PAYLOAD:
+        return [encode({**meta, "with_values": "per_shard"})] + \
+            [v.contiguous().view(-1) for v in values]
+    return [encode({**meta, "with_values": "by_dtype"})] + flat_by_dtype(values)
 
 
 @dataclasses.dataclass
@@ -198,8 +207,7 @@ class ParameterServerClient:
                                for s, t, flags in shards]}
             reply = self._call(k, REGISTER, [encode(meta)])
             if decode(reply[0])["need_values"]:
-                reply = self._call(k, REGISTER, [encode({**meta, "with_values": True})] +
-                                   flat_by_dtype([t for _, t, _ in shards]))
+                reply = self._call(k, REGISTER, _with_values(meta, [t for _, t, _ in shards]))
             if whole[k]:
                 with torch.no_grad():
                     unflatten_into(whole[k], reply[1:])
@@ -303,10 +311,12 @@ class ParameterServerClient:
         key = f"steps/{task or self.task}"
         return self._store.add(key, 0) if self._store.check([key]) else None
 
-    def set_steps(self, step: int) -> None:
-        """A restored job: every worker starts from the checkpoint's step."""
-        for task in self._worker_tasks():
+    def set_steps(self, steps: dict[str, int]) -> None:
+        """A restored job: each worker's applied steps (it goes on from there); the
+        global step is their sum."""
+        for task, step in steps.items():
             self._store.set(f"steps/{task}", str(int(step)))
+        self.set_global_step(sum(steps.values()))
 
     def set_global_step(self, step: int) -> None:
         self._store.set("global_step", str(int(step)))

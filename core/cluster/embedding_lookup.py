@@ -8,8 +8,10 @@ ps per lookup). The backward gives the placeholder a sparse gradient over those 
 which travels to the ps tasks as (row ids, rows): a worker's memory and traffic follow
 the batch, not the table.
 
-A table used otherwise too (a tied output layer reads it whole) or with ``max_norm``
-(which renormalizes rows in place) is served whole, as any other variable.
+A table used otherwise too (a tied output layer reads it whole), with ``max_norm``
+(which renormalizes rows in place), or of a subclass with a forward of its own is served
+whole, as any other variable. A replica that reads a served table's ``weight`` (not
+through the lookup) is refused, naming it; outside replicas the placeholder reads NaN.
 
 ``state_dict()`` of such a module holds the whole table, read from the ps tasks (so
 checkpoints, exports and digests see the model's own keys and shapes); its
@@ -25,7 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows"]
+__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows",
+           "sparse_update_problem"]
 
 # torch optimizers with a sparse update (checked against torch by the tests)
 SPARSE_OPTIMIZERS = ("SGD", "Adagrad", "SparseAdam")
@@ -40,9 +43,11 @@ class RowTable:
 
     var: int
     shape: tuple[int, ...]
+    dtype: torch.dtype
     sparse: bool  # the module's own sparse=True: the optimizer's sparse update applies
     fetch: Callable[[torch.Tensor], torch.Tensor]
     assign: Callable[[torch.Tensor, torch.Tensor], None]
+    weight: Callable[[], torch.Tensor]  # what the backward's sparse gradient goes to
 
     def read_all(self) -> torch.Tensor:
         with torch.no_grad():
@@ -52,6 +57,20 @@ class RowTable:
         rows = [self.fetch(torch.arange(a, min(a + READ_CHUNK_ROWS, self.shape[0])))
                 for a in range(0, self.shape[0], READ_CHUNK_ROWS)]
         return torch.cat(rows) if rows else torch.empty(self.shape)
+
+
+def sparse_update_problem(cls: type, groups: list[dict]) -> str | None:
+    """Why ``cls`` with each of ``groups``' settings cannot apply a sparse gradient (one
+    tried on a 4-row variable: torch's own answer), or None."""
+    for settings in groups:
+        weight = torch.nn.Parameter(torch.ones(4, 2))
+        weight.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 2),
+                                              (4, 2), check_invariants=False)
+        try:
+            cls([{**settings, "params": [weight]}]).step()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
 
 
 def find_tables(modules) -> tuple[dict[int, torch.nn.Module], list[str]]:
@@ -67,8 +86,12 @@ def find_tables(modules) -> tuple[dict[int, torch.nn.Module], list[str]]:
             continue
         weight = module.weight
         label = f"{type(module).__name__}({weight.shape[0]}, {weight.shape[1]})"
+        own = type(module).forward is (torch.nn.EmbeddingBag.forward if isinstance(
+            module, torch.nn.EmbeddingBag) else torch.nn.Embedding.forward)
         if uses[id(weight)] > 1:
             whole.append(f"{label}: its weight is also another module's (tied)")
+        elif not own:
+            whole.append(f"{label}: {type(module).__name__} has a forward of its own")
         elif module.max_norm is not None:
             whole.append(f"{label}: max_norm renormalizes looked-up rows in place")
         else:
@@ -99,7 +122,7 @@ def _rows_for(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
         if row.numel() and not 0 <= int(row) < table.shape[0]:
             raise IndexError(f"index out of range in self: {type(module).__name__} has "
                              f"{table.shape[0]} rows, the input holds row {int(row)}")
-    rows = _Rows.apply(module.weight, unique, table.fetch(unique))
+    rows = _Rows.apply(table.weight(), unique, table.fetch(unique))
     pad = None
     if module.padding_idx is not None:
         hit = (unique == module.padding_idx).nonzero()
@@ -125,8 +148,10 @@ def _bag_forward(module: torch.nn.EmbeddingBag, table: RowTable):
 
 
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
-    """One element standing for the whole table: its shape, none of its memory."""
-    return torch.zeros(1, dtype=tensor.dtype, device=tensor.device).as_strided(
+    """One element standing for the whole table: its shape, none of its memory; NaN, so
+    that a read of it outside a replica (where nothing can refuse it) shows."""
+    fill = float("nan") if tensor.is_floating_point() else 0
+    return torch.full((1,), fill, dtype=tensor.dtype, device=tensor.device).as_strided(
         tensor.shape, [0] * tensor.dim())
 
 

@@ -19,15 +19,18 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 
+from ..distribute import context
 from ..distribute.devices import LogicalDevice, resolve_devices
 from ..distribute.parameters import ParameterStore
 from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
 from .client import ParameterServerClient, Push
-from .embedding_lookup import SPARSE_OPTIMIZERS, RowTable, find_tables, serve_by_rows
+from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, serve_by_rows,
+                               sparse_update_problem)
 from .sharded_state import FORMAT, split_state, whole_state
 from .sharded_variable import Layout, Partitioner
 from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
@@ -61,6 +64,7 @@ class RemoteParameterStore(ParameterStore):
         self._sparse: set[int] = set()         # var ids of sparse=True modules
         self._whole: list[list[torch.Tensor]] = [[] for _ in range(client.num_ps)]
         self.served_whole: list[str] = []  # tables that could not be served by rows, why
+        self._row_served: set[int] = set()     # ids of the tables served by rows
         self._counting_ps = 0
 
     def begin_run(self, reads: bool = True):
@@ -80,9 +84,7 @@ class RemoteParameterStore(ParameterStore):
                                 colocate, self.partitioner)
         self._ids = index
         modules = list(self._adopted)
-        found, self.served_whole = find_tables(modules)
-        tables = {index[t]: found[id(t)] for t in tensors if id(t) in found} \
-            if self.serve_embedding_rows else {}
+        tables = self._tables_to_serve(modules, tensors, index)
         self._sparse = {index[m.weight] for m in modules
                         if getattr(m, "sparse", False) is True and m.weight in index}
         held: list[list] = [[] for _ in range(self.client.num_ps)]
@@ -96,17 +98,66 @@ class RemoteParameterStore(ParameterStore):
         self.client.register(held, self._whole)
         self._counting_ps = min(k for k in range(self.client.num_ps) if held[k])
         for var, module in tables.items():
-            self.tables[var] = RowTable(var, tuple(tensors[var].shape), var in self._sparse,
-                                        self._fetcher(var), self._assigner(var))
+            central = tensors[var]
+            self.tables[var] = RowTable(var, tuple(central.shape), central.dtype,
+                                        var in self._sparse, self._fetcher(var),
+                                        self._assigner(var), self._weight(central))
+            self._row_served.add(id(central))
             serve_by_rows(module, self.tables[var])
-        if self.served_whole and self.serve_embedding_rows:
+        # never served ahead to a replica: a read of one there is refused (check_device)
+        self._fresh = [key for key in self._fresh if key not in self._row_served]
+
+    def _tables_to_serve(self, modules, tensors, index) -> dict[int, torch.nn.Module]:
+        """The lookup tables to serve by rows (var id -> module); says once which are
+        served whole, and why."""
+        found, self.served_whole = find_tables(modules)
+        if not self.serve_embedding_rows:
+            return {}
+        if any(self.copies) and found:  # mirrors copy every variable whole to replicas
+            self.served_whole += [f"{type(m).__name__}({m.weight.shape[0]}, "
+                                  f"{m.weight.shape[1]}): its replicas get copies (GPU "
+                                  "workers or copy_parameters)" for m in found.values()]
+            found = {}
+        if self.served_whole:
             warnings.warn("served whole, not by rows (read in full by every worker): " +
-                          "; ".join(self.served_whole), stacklevel=2)
+                          "; ".join(self.served_whole), stacklevel=3)
+        return {index[t]: found[id(t)] for t in tensors if id(t) in found}
+
+    def _weight(self, central: torch.Tensor):
+        """The table as a lookup's backward sees it: in a replica, that replica's alias
+        (its gradients are summed in replica order, as every parameter's); taken here,
+        not through the module, whose reads in a replica are refused."""
+        ref = weakref.ref(central)
+
+        def weight() -> torch.Tensor:
+            table, serving = ref(), context.current_serving()
+            if serving is None or serving.store is not self:
+                return table
+            return self.alias(serving.replica_id, table)
+        return weight
+
+    def check_device(self, central: torch.Tensor, owner, name: str) -> None:
+        if id(central) in self._row_served:
+            raise RuntimeError(
+                f"{owner.path(name)} is an embedding table served by rows from the ps tasks "
+                "(a worker holds none of it), and this replica reads it other than by its "
+                "module's lookup; serve it whole: strategy.serve_embedding_rows: false "
+                "(ParameterServerStrategy(serve_embedding_rows=False))")
+        super().check_device(central, owner, name)
+
+    def discard_run(self, servings) -> None:
+        """A failed run's lookups leave no gradient behind on the tables' aliases."""
+        super().discard_run(servings)
+        for serving in servings:
+            for key in self._row_served:
+                entry = self._aliases[serving.replica_id].get(key)
+                if entry is not None:
+                    entry[1].grad = None
 
     def _fetcher(self, var: int):
         def fetch(ids: torch.Tensor) -> torch.Tensor:
             shape = self.layout.shapes[var]
-            rows = torch.empty((len(ids), *shape[1:]), dtype=self._dtype(var))
+            rows = torch.empty((len(ids), *shape[1:]), dtype=self.tables[var].dtype)
             parts = self.layout.split_rows(var, ids)
             requests: list[list] = [[] for _ in range(self.client.num_ps)]
             for shard, where in parts:
@@ -129,9 +180,6 @@ class RemoteParameterStore(ParameterStore):
                     writes[shard.ps].append((shard.id, ids[where] - shard.start, rows[where]))
             self.client.assign(writes)
         return assign
-
-    def _dtype(self, var: int) -> torch.dtype:
-        return next(t for t, i in self._ids.items() if i == var).dtype
 
     def shard_devices(self, tensor: torch.Tensor) -> list[int]:
         """The ps tasks that hold ``tensor``'s shards, in row order."""
@@ -186,6 +234,9 @@ class RemoteParameterStore(ParameterStore):
                       for p in group["params"] if p in self._ids}
             self.client.register_optimizer(optimizer, groups)
             self._optimizer = optimizer
+            for p in list(optimizer.state):  # kept on the ps: none of it here (Adagrad's
+                if id(p) in self._row_served:  # sums of a table are a table)
+                    del optimizer.state[p]
         elif optimizer is not self._optimizer:
             raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
                                "its state lives on the parameter servers")
@@ -200,13 +251,18 @@ class RemoteParameterStore(ParameterStore):
 
 
 def check_sparse_support(optimizer: torch.optim.Optimizer, sparse: list[str]) -> None:
-    """Refuse an optimizer without a sparse update for variables with sparse gradients
-    (before any step: the ps tasks would fail at the first)."""
-    name = type(optimizer).__name__
-    if sparse and name not in SPARSE_OPTIMIZERS:
+    """Refuse an optimizer (or a group's settings) without a sparse update for variables
+    with sparse gradients, before any step: the ps tasks would fail at the first."""
+    if not sparse:
+        return
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    why = sparse_update_problem(type(optimizer), groups)
+    if why is not None:
+        name = type(optimizer).__name__
         raise ValueError(f"{', '.join(sparse[:3])} get sparse gradients (sparse=True), which "
-                         f"{name} cannot apply; use one of {', '.join(SPARSE_OPTIMIZERS)}, "
-                         "or build the embedding with sparse=False")
+                         f"{name} with these settings cannot apply ({why}); use one of "
+                         f"{', '.join(SPARSE_OPTIMIZERS)} without the setting, or build the "
+                         "embedding with sparse=False")
 
 
 class ParameterServerClusterExtended(ParameterServerStrategyExtended):
@@ -326,36 +382,42 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         the ps tasks (for the chief's checkpoints; :mod:`.sharded_state`)."""
         store = self._remote()
         store.ensure_registered()
-        return whole_state(store.client.state(), store.layout)
+        state = whole_state(store.client.state(), store.layout)
+        # every worker's applied steps: a resumed job goes on from each one's own
+        state["steps"] = {t: store.client.steps_done(t) or 0 for t in self._worker_tasks}
+        return state
 
-    def load_ps_state(self, states: list[dict],
-                      optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Restore the parameter servers from :meth:`ps_state` output.
+    def load_ps_state(self, states: dict | list[dict],
+                      optimizer: torch.optim.Optimizer | None = None,
+                      step: int | None = None) -> None:
+        """Restore the parameter servers from :meth:`ps_state` output, and every worker's
+        step count with them (the global step is their sum).
 
         Pass the ``optimizer`` (made in ``scope()``) to restore its state too: the ps
-        tasks build theirs from it first, so its state has somewhere to go.
+        tasks build theirs from it first, so its state has somewhere to go. ``step``:
+        every worker's count where the state has none (a checkpoint of an earlier
+        csrun), e.g. the chief's restored step.
         """
         store = self._remote()
         store.ensure_registered()
         if optimizer is not None:
             store.ensure_optimizer(optimizer)
-        if isinstance(states, dict) and states.get("format") == FORMAT:
-            states = split_state(states, store.layout, store.client.state())
-        elif any(store.layout.partitioned(v) for v in range(len(store.layout.shapes))):
+        if not (isinstance(states, dict) and states.get("format") == FORMAT) and \
+                any(store.layout.partitioned(v) for v in range(len(store.layout.shapes))):
             raise ValueError("the checkpoint holds the ps tasks' state of an earlier csrun, "
                              "by ps task; resume it without strategy.variable_partitioner "
                              "(and with the same ps count), then save again")
+        steps = states.get("steps") if isinstance(states, dict) else None
+        if isinstance(states, dict):
+            states = split_state(states, store.layout, store.client.state())
         store.client.load(states)
-        # every push reaches every ps that holds variables: the busiest one counted them all
-        store.client.set_global_step(max(int(s.get("version", 0)) for s in states))
+        if steps is None and step is not None:
+            steps = {task: step for task in self._worker_tasks}
+        if steps is not None:
+            store.client.set_steps({t: int(steps.get(t, 0)) for t in self._worker_tasks})
+        else:  # every push reaches every ps that holds variables: the busiest counted all
+            store.client.set_global_step(max(int(s.get("version", 0)) for s in states))
         self.pull()
-
-    def set_worker_steps(self, step: int) -> None:
-        """A restored job: every worker has done ``step`` steps (it starts there) and the
-        global step is their sum."""
-        client = self._remote().client
-        client.set_steps(step)
-        client.set_global_step(step * len(self._worker_tasks))
 
     def steps_done(self, task: str | None = None) -> int | None:
         """Steps the ps tasks applied for ``task`` (default: this worker) in this job;

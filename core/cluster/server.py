@@ -35,6 +35,10 @@ class _Refused(Exception):
     """A worker's request that cannot be served (its model is not the job's)."""
 
 
+class _Failed(Exception):
+    """A worker's update that the ps could not apply (the job cannot go on with it)."""
+
+
 class ParameterServer:
     """A ``ps`` task: holds a shard of the variables and applies pushed gradients."""
 
@@ -160,6 +164,9 @@ class ParameterServer:
                 except _Refused as refused:
                     channel.send(REFUSED, [encode(str(refused))])
                     continue
+                except _Failed as failed:  # the worker fails with it (exit 1)
+                    channel.send(ABORTED, [encode(str(failed))])
+                    continue
                 channel.send(op, answer)
         except RuntimeError as exc:  # the peer died or its connection broke
             # which incarnation died: a restarted worker (a later one) is not lost
@@ -204,8 +211,12 @@ class ParameterServer:
             return [encode({"need_values": False})] + self._values()
         if not meta.get("with_values"):
             return [encode({"need_values": True})]
-        variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) for v in specs]
-        unflatten_into(variables, flats)
+        if meta["with_values"] == "per_shard":  # the received buffers themselves
+            variables = [f.view(v["shape"]) for v, f in zip(specs, flats)]  # id order
+        else:
+            variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
+                         for v in specs]
+            unflatten_into(variables, flats)
         for spec, tensor in zip(specs, variables):
             self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
             self._specs[spec["id"]] = spec
@@ -304,8 +315,8 @@ class ParameterServer:
                 group["lr"] = lrs[index]
         try:
             self._optimizer.step()
-        except RuntimeError as exc:  # e.g. an optimizer without sparse updates
-            raise _Refused(f"ps:{self.task_id} cannot apply the update with "
+        except (RuntimeError, ValueError) as exc:  # e.g. no sparse update for a setting
+            raise _Failed(f"ps:{self.task_id} cannot apply the update with "
                            f"{type(self._optimizer).__name__}: {exc}") from None
         self.version += 1
         self.log.append((worker, self.version))

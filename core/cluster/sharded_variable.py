@@ -58,8 +58,9 @@ class FixedShardsPartitioner(Partitioner):
 
 
 class MinSizePartitioner(Partitioner):
-    """As many shards as keep each at least ``min_shard_bytes``, at most ``max_shards``
-    (TF's MinSizePartitioner; its defaults)."""
+    """As many shards as the variable has ``min_shard_bytes`` (rounded up, as TF's
+    ``min_max_variable_partitioner``), at most ``max_shards`` (TF's MinSizePartitioner;
+    its defaults)."""
 
     def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1):
         if int(min_shard_bytes) < 1 or int(max_shards) < 1:
@@ -72,7 +73,7 @@ class MinSizePartitioner(Partitioner):
         total = element
         for size in shape:
             total *= size
-        shards = max(1, min(self.max_shards, shape[0], total // self.min_shard_bytes))
+        shards = max(1, min(self.max_shards, shape[0], -(-total // self.min_shard_bytes)))
         return [shards] + [1] * (len(shape) - 1)
 
     def __repr__(self) -> str:

@@ -51,6 +51,7 @@ _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
 _CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
+MAX_PAYLOAD = (_HEADER - 2) // 2  # tensors one message carries
 FOREVER = datetime.timedelta(days=7)
 
 
@@ -329,7 +330,7 @@ class Channel:
         self.sent_bytes = self.received_bytes = 0  # payloads, headers included
 
     def send(self, op: int, payload: list[torch.Tensor]) -> None:
-        if len(payload) > (_HEADER - 2) // 2:
+        if len(payload) > MAX_PAYLOAD:
             raise ValueError("too many payload tensors for one message")
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = op, len(payload)

@@ -95,7 +95,7 @@ class ClusterConfig(_Section):
         default_factory=list, description="At most one chief: it trains, writes the "
         "checkpoints and the result, and ends the job. Without one, `worker:0` does.")
     worker: list[Address] = Field(default_factory=list, description="The workers: each "
-                                  "trains on its slice of every global batch.")
+                                  "trains on its share of every global batch.")
     ps: list[Address] = Field(default_factory=list, description="The parameter servers "
                               "(at least one): they hold the variables and apply updates.")
 
@@ -118,12 +118,13 @@ class FixedShardsConfig(_Section):
 
 
 class MinSizeConfig(_Section):
-    """TF's `MinSizePartitioner`: as many shards as keep each at least `min_shard_bytes`."""
+    """TF's `MinSizePartitioner`: one shard per `min_shard_bytes`, rounded up."""
 
     kind: Literal["min_size"] = Field(description="`min_size`: shards of a minimum size.")
     min_shard_bytes: Int64 = Field(
-        256 << 10, ge=1, description="The smallest shard, in bytes (TF's default, 256 KiB): "
-        "a smaller variable stays whole.")
+        256 << 10, ge=1, description="Bytes per shard: a variable gets one shard per "
+        "`min_shard_bytes`, rounded up (TF's rule and default, 256 KiB), so a smaller one "
+        "stays whole.")
     max_shards: Int64 = Field(
         1, ge=1, le=65536, description="At most this many shards per variable (TF's "
         "default, 1, splits nothing: set it).")
@@ -170,6 +171,11 @@ class ParameterServerConfig(_Section):
         "min_shard_bytes: B, max_shards: N}`; null: each variable whole on one ps. "
         "Checkpoints, exports and `params_sha256` see whole variables, whatever the "
         "sharding. See docs/parameter-server.md.")
+    serve_embedding_rows: bool = Field(
+        True, description="Embedding tables (`nn.Embedding`, `nn.EmbeddingBag`) are read "
+        "by rows: a worker fetches only the rows its batch looks up and pushes only those "
+        "rows' gradients. false: every table is served whole (pushed and pulled in full "
+        "each step), for a model that reads a table's weight other than by lookups.")
     timeout_s: float = Field(
         120.0, gt=0, description="Seconds a task waits for the parameter servers to come "
         "up, and for any answer of the job's store; how long the chief's heartbeat may "

@@ -6,10 +6,11 @@ the ``ParameterServerStrategy`` built from them:
 
 * a **ps** task serves its share of the variables until the chief ends the job
   (``strategy.extended.join()``), and exits 0;
-* a **worker** trains as a central-storage run does, on its slice of every global batch
-  (``experimental_distribute_dataset`` keeps this worker's replicas' part). Its loss is
-  divided by the *cluster-wide* global batch, so the workers' gradients add up to the
-  gradient of the global-batch mean; ``optimizer.step()`` pushes them to the ps tasks;
+* a **worker** trains as a central-storage run does, on its share of every global batch
+  (it reads only that: :mod:`csrun.core.runner.batches`). Its loss is divided by the
+  *cluster-wide* global batch, so the workers' gradients add up to the gradient of the
+  global-batch mean; ``optimizer.step()`` pushes them to the ps tasks. A restarted
+  worker continues at the steps the ps tasks applied for it;
 * the **chief** (the ``chief`` task, else ``worker:0``) also writes the checkpoints (with
   every ps task's variables and optimizer state), waits for the other workers at the end,
   evaluates the holdout on the final values, ends the job, and reports lost workers.
@@ -162,7 +163,8 @@ def connect(config, stop: threading.Event | None = None) -> ParameterServerStrat
             cluster_resolver(s), s.num_gpus_per_worker, compute_devices=s.compute_devices,
             variable_placement=s.variable_placement, timeout=s.timeout_s,
             options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution),
-            stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner))
+            stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner),
+            serve_embedding_rows=s.serve_embedding_rows)
     except ParameterServerError as exc:
         raise RunError(str(exc)) from None
 
@@ -176,7 +178,8 @@ def job_settings(config) -> dict[str, Any]:
     settings.update({"train.steps": config.train.steps, "train.epochs": config.train.epochs,
                      "strategy.variable_placement": config.strategy.variable_placement,
                      "strategy.variable_partitioner":
-                         partitioner.model_dump() if partitioner is not None else None})
+                         partitioner.model_dump() if partitioner is not None else None,
+                     "strategy.serve_embedding_rows": config.strategy.serve_embedding_rows})
     return settings
 
 
@@ -258,13 +261,17 @@ class ClusterRole:
     def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
         """The chief initializes the variables (restores the ps tasks from its
         checkpoint, every worker's step count with them) and lets the other workers go.
-        Another worker starts at the steps the ps tasks applied for it in this job: a
-        restarted one goes on where it was (no step is trained twice), with or without
-        ``--resume``; a fresh one where the chief starts."""
+        Another worker starts at the steps the ps tasks applied for it in this job (or
+        the checkpoint's count of them): a restarted or resumed one goes on where it
+        was (no step is trained twice); a fresh one where the chief starts."""
         if self.is_chief:
             if self._restored is not None:
-                self.ext.load_ps_state(self._restored, optimizer)
-                self.ext.set_worker_steps(int(where["step"]))
+                try:  # each worker's steps with them (an older checkpoint: the chief's)
+                    self.ext.load_ps_state(self._restored, optimizer, int(where["step"]))
+                except ValueError as exc:  # a checkpoint by ps task, into shards
+                    raise ConfigError([Problem("strategy.variable_partitioner", str(exc),
+                                               "resume without it, then save again")]
+                                      ) from None
                 self._restored = None
             self.ext.mark_initialized(where)
             return where

@@ -124,7 +124,7 @@ class RunResult(_Event):
     phases_s: dict[str, float]
     per_replica: list[dict[str, Any]]
     replica_balance: dict[str, Any]
-    params_sha256: str
+    params_sha256: str | None  # None: a ps job's other worker (the chief's is the job's)
     strategy: dict[str, Any]
     checkpoint: dict[str, Any]
     signal: str | None = None  # "SIGINT" or "SIGTERM" when interrupted by one

@@ -30,7 +30,10 @@ def run_result(session: Any, status: str, evaluated: Evaluated | None,
         final_loss=state.last_loss,
         metrics=_metrics(session, evaluated), throughput=_throughput(session),
         phases_s=state.session.mean_phases(), per_replica=_per_replica(session),
-        replica_balance=_balance(session), params_sha256=params_sha256(session.model),
+        replica_balance=_balance(session),
+        # a ps job's other workers do not read every table whole for a digest that is
+        # not the job's (the chief's is)
+        params_sha256=params_sha256(session.model) if session.role.is_chief else None,
         strategy={"compute_devices": session.devices, "replicas": session.replicas,
                   "parameter_device":
                       session.strategy.extended.parameter_device.short_name,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from csrun.core import (CentralStorageStrategy, FixedShardsPartitioner, MinSizePartitioner,
-                        ParameterServerStrategy)
+                        ParameterServerStrategy, StrategyOptions)
 from csrun.core.runner.launch import free_ports
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,3 +234,130 @@ def test_a_checkpoint_of_one_sharding_restores_into_another():
         assert torch.equal(again["variables"][var], value)
         for slot, expected in saved["slots"][var].items():
             assert torch.equal(again["slots"][var][slot], expected), (var, slot)
+
+
+@pytest.mark.parametrize("sparse,optimizer", [(True, "Adagrad"), (False, "Adam")])
+def test_two_local_replicas_end_where_central_storages_two_do(sparse, optimizer):
+    devices = ["CPU:0", "CPU:1"]
+    model = train(CentralStorageStrategy(devices), sparse, optimizer)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2),
+                      compute_devices=devices)
+    try:
+        got = train(cluster.strategy, sparse, optimizer).state_dict()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    finally:
+        cluster.close()
+
+
+def test_a_checkpoint_by_ps_task_of_an_earlier_csrun_resumes_unpartitioned_only():
+    cluster = Cluster(2)
+    try:
+        model = train(cluster.strategy, True, "Adagrad", steps=2)
+        ext = cluster.strategy.extended
+        by_task = ext._remote().client.state()  # what earlier checkpoints held
+        for state in by_task:  # as they were written: no order of shards
+            state.pop("order"), state.pop("groups")
+        expected = model.state_dict()
+        optimizer = ext._remote()._optimizer
+        for dense, user, items, y in batches(2):  # move on, then go back
+            optimizer.zero_grad()
+            cluster.strategy.run(lambda d, u, i, t: F.binary_cross_entropy_with_logits(
+                model(d, u, i), t).backward(), args=(dense, user, items, y))
+            optimizer.step()
+        assert not torch.equal(model.state_dict()["users.weight"], expected["users.weight"])
+        ext.load_ps_state(by_task)
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, expected[key]), key
+    finally:
+        cluster.close()
+    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2))
+    try:
+        train(cluster.strategy, True, "Adagrad", steps=1)
+        with pytest.raises(ValueError, match="resume it without "
+                                             "strategy.variable_partitioner"):
+            cluster.strategy.extended.load_ps_state(by_task)
+    finally:
+        cluster.close()
+
+
+class Scaled(torch.nn.Embedding):
+    """A subclass with a forward of its own (Hugging Face's scaled embeddings)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 10.0
+
+
+class ReadsTheWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):  # an L2 penalty reads the table whole
+        return self.embed(ids).sum() + self.embed.weight.pow(2).sum()
+
+
+def test_a_replica_reading_a_served_tables_weight_is_refused_naming_it():
+    cluster = Cluster(1)
+    try:
+        with cluster.strategy.scope():
+            model = ReadsTheWeight()
+        with pytest.raises(Exception, match=r"Embedding.weight is an embedding table served "
+                                            r"by rows .* strategy.serve_embedding_rows: false"):
+            cluster.strategy.run(lambda i: model(i).backward(), args=(torch.tensor([1]),))
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: Scaled(10, 4), r"Scaled\(10, 4\): Scaled has a forward of its own"),
+])
+def test_a_table_that_cannot_be_served_by_rows_is_served_whole_and_trains_right(make, why):
+    def run(strategy):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = make()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            strategy.run(lambda i: model(i).pow(2).sum().backward(),
+                         args=(torch.tensor([1, 2]),))
+            optimizer.step()
+        return model.weight.detach().clone()
+
+    expected = run(CentralStorageStrategy(["CPU:0"]))
+    cluster = Cluster(1)
+    try:
+        with pytest.warns(UserWarning, match=why):
+            got = run(cluster.strategy)
+        torch.testing.assert_close(got, expected)
+    finally:
+        cluster.close()
+
+
+def test_replicas_with_copies_read_tables_whole():
+    cluster = Cluster(1, options=StrategyOptions(copy_parameters=True))
+    try:
+        with cluster.strategy.scope():
+            torch.manual_seed(0)
+            model = torch.nn.Embedding(10, 4)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.warns(UserWarning, match="its replicas get copies"):
+            cluster.strategy.run(lambda i: model(i).sum().backward(),
+                                 args=(torch.tensor([1]),))
+        optimizer.step()
+        assert model.weight.untyped_storage().nbytes() == 10 * 4 * 4
+    finally:
+        cluster.close()
+
+
+def test_a_workers_optimizer_keeps_no_state_of_a_served_table():
+    cluster = Cluster(1)
+    try:
+        model = train(cluster.strategy, True, "Adagrad", steps=1)
+        optimizer = cluster.strategy.extended._remote()._optimizer
+        assert model.users.weight not in optimizer.state  # Adagrad's sum of it: on the ps
+        assert model.tower.weight in optimizer.state  # (made at construction, unused)
+    finally:
+        cluster.close()

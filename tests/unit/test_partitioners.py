@@ -19,12 +19,14 @@ def test_fixed_shards_as_tfs_docstring_says():
         FixedShardsPartitioner(0)
 
 
-def test_min_size_keeps_each_shard_at_least_min_shard_bytes():
+def test_min_size_gives_one_shard_per_min_shard_bytes_rounded_up_as_tf():
     partitioner = MinSizePartitioner(min_shard_bytes=400, max_shards=8)
     assert partitioner.num_shards((100, 4), torch.float32) == 4  # 1600 bytes
     assert partitioner.num_shards((10, 4), torch.float32) == 1   # 160 bytes: whole
     assert MinSizePartitioner(1, max_shards=3).num_shards((100, 4), torch.float32) == 3
     assert MinSizePartitioner().num_shards((1000, 4), torch.float32) == 1  # TF's defaults
+    # 300 KiB over TF's 256 KiB: two shards (TF's min_max_variable_partitioner rounds up)
+    assert MinSizePartitioner(max_shards=4).num_shards((76800, 1), torch.float32) == 2
 
 
 def test_a_partitioner_that_splits_anything_but_dim_0_is_refused_naming_it():

@@ -60,8 +60,22 @@ def test_a_ps_config_whose_optimizer_cannot_apply_sparse_gradients_is_refused(ta
     with pytest.raises(ConfigError) as caught:
         load_config_text(text, "c.yaml", environ=TF_CONFIG)
     (problem,) = [p for p in caught.value.problems if p.path == "optimizer.name"]
-    assert "table get sparse gradients" in problem.message and "Adam" in problem.message
+    assert "table.weight get sparse gradients" in problem.message
+    assert "Adam" in problem.message
     assert "SGD, Adagrad, SparseAdam" in problem.hint and "sparse=False" in problem.hint
+
+
+@pytest.mark.parametrize("setting, path", [
+    ("kwargs: {weight_decay: 0.1}", "optimizer.kwargs"),
+    ("param_groups: [{match: table, weight_decay: 0.1}]", "optimizer.param_groups"),
+])
+def test_a_setting_without_a_sparse_update_is_refused_naming_where(tagger, setting, path):
+    text = CONFIG.format(kind="parameter_server", sparse="true").replace(
+        "{name: SGD, lr: 0.1}", "{name: Adagrad, lr: 0.1, " + setting + "}")
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text, "c.yaml", environ=TF_CONFIG)
+    (problem,) = [p for p in caught.value.problems if p.path == path]
+    assert "Adagrad with these settings cannot apply on the ps tasks" in problem.message
 
 
 @pytest.mark.parametrize("kind, sparse", [("parameter_server", "false"),
@@ -76,8 +90,13 @@ def test_sparse_tables_with_a_sparse_optimizer_pass(tagger, kind, sparse):
 def test_the_library_refuses_an_optimizer_without_a_sparse_update_before_any_push():
     table = nn.Embedding(8, 2, sparse=True)
     with pytest.raises(ValueError, match=r"Embedding.weight get sparse gradients .* Adam "
-                                         r"cannot apply; use one of SGD, Adagrad, SparseAdam"):
+                                         r"with these settings cannot apply \(Adam does not "
+                                         r"support sparse .*; use one of SGD, Adagrad, "
+                                         r"SparseAdam"):
         check_sparse_support(torch.optim.Adam(table.parameters()), ["Embedding.weight"])
+    with pytest.raises(ValueError, match=r"Adagrad with these settings cannot apply"):
+        check_sparse_support(torch.optim.Adagrad(table.parameters(), weight_decay=0.1),
+                             ["Embedding.weight"])
     check_sparse_support(torch.optim.Adagrad(table.parameters()), ["Embedding.weight"])
 
 

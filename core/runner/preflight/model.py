@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...config.problems import ConfigError, ConfigNotice, Problem
-from ...cluster.embedding_lookup import SPARSE_OPTIMIZERS
+from ...cluster.embedding_lookup import SPARSE_OPTIMIZERS, sparse_update_problem
 from ...config.user_code import CHECKED_FAILURES, UserCodeError, user_problem
 from ...data.imported import Collate, ImportedData, first_batch
 from ...distribute.device_lib import memory_bytes
@@ -158,15 +158,27 @@ def check_model_memory(model, built: torch.nn.Module, data, strategy) -> list[Pr
 
 def check_sparse_in_ps(model, built: torch.nn.Module, strategy, optimizer) -> list[Problem]:
     """In a ps job, sparse gradients (``nn.Embedding(sparse=True)``, ``EmbeddingBag``)
-    are applied on the ps tasks with the optimizer's sparse update: an optimizer without
-    one is refused here rather than at the first push."""
+    are applied on the ps tasks with the optimizer's sparse update: an optimizer (or a
+    setting of it, e.g. Adagrad's weight_decay) without one is refused here rather than
+    at the first push."""
     if strategy.kind != "parameter_server" or optimizer is None:
         return []
-    sparse = [name or type(m).__name__ for name, m in built.named_modules()
+    sparse = [f"{name}.weight" if name else "weight" for name, m in built.named_modules()
               if getattr(m, "sparse", False) is True]
-    if not sparse or optimizer.name in SPARSE_OPTIMIZERS:
+    cls = getattr(torch.optim, optimizer.name, None)
+    if not sparse or not isinstance(cls, type):
         return []
-    return [Problem("optimizer.name", f"{', '.join(sparse[:3])} get sparse gradients "
-                    f"(sparse=True), which {optimizer.name} cannot apply on the ps tasks",
-                    f"use one of {', '.join(SPARSE_OPTIMIZERS)}, or build the embedding "
-                    "with sparse=False (its looked-up rows then update densely)")]
+    base = {"lr": optimizer.lr, **optimizer.kwargs}
+    groups = [base] + [{**base, **group.options()} for group in optimizer.param_groups]
+    why = sparse_update_problem(cls, groups)
+    if why is None:
+        return []
+    field = "optimizer.name" if optimizer.name not in SPARSE_OPTIMIZERS else \
+        "optimizer.param_groups" if sparse_update_problem(cls, [base]) is None \
+        else "optimizer.kwargs"
+    return [Problem(field, f"{', '.join(sparse[:3])} get sparse gradients (sparse=True), "
+                    f"which {optimizer.name} with these settings cannot apply on the ps "
+                    f"tasks ({why})",
+                    f"use one of {', '.join(SPARSE_OPTIMIZERS)} without that setting, or "
+                    "build the embedding with sparse=False (its looked-up rows then "
+                    "update densely)")]
