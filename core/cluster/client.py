@@ -21,12 +21,12 @@ import torch.distributed as dist
 from .resolvers import ClusterResolver
 from .heartbeat import ChiefWatch, Heartbeat
 from .sharded_variable import Shard
-from .transport import (ABORTED, ASSIGN, BYE, MAX_PAYLOAD, LOAD, LOOKUP, OPTIMIZER, PULL, PUSH_PULL, REFUSED,
-                        REGISTER, STATE, BoundedStore, Caller, Channel, ClusterMismatch, DuplicateTask,
-                        ParameterServerError, Stopped, agree, connect_store, decode,
-                        encode, flat_by_dtype, gloo_device, pack_state, poll_until,
-                        settings_to_json, store_host, transport_error, unflatten_into,
-                        unpack_state)
+from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
+                        PUSH_PULL, REFUSED, REGISTER, STATE, BoundedStore, Caller, Channel,
+                        ClusterMismatch, DuplicateTask, ParameterServerError, Stopped, agree,
+                        connect_store, decode, encode, flat_by_dtype, gloo_device, pack_state,
+                        poll_until, settings_to_json, store_host, transport_error,
+                        unflatten_into, unpack_state)
 
 __all__ = ["ParameterServerClient", "Push", "CLAIM_GRACE_S"]
 
@@ -50,7 +50,7 @@ def _stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServe
 
 
 _TRAINING = (PUSH_PULL, LOOKUP)  # what a step moves (not registration, pulls, checkpoints)
-CLAIM_GRACE_S = 5.0
+CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
 
 
 def _with_values(meta: dict, values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -69,7 +69,7 @@ class Push:
     sparse update; ``dense``: the dense gradient they stand for)."""
 
     dense: list = dataclasses.field(default_factory=list)
-    rows: list = dataclasses.field(default_factory=list)  # how long a restarted task waits for the ps to see its old process die
+    rows: list = dataclasses.field(default_factory=list)
 
 
 class ParameterServerClient:
@@ -288,8 +288,8 @@ class ParameterServerClient:
             self._watch.check()  # a dead chief ends this worker too
 
     def transfer_stats(self) -> dict:
-        """What this process moved to and from the ps tasks for its steps (lookups,
-        pushes, pulls; headers included), in all and per step."""
+        """What this process moved to and from the ps tasks for its steps (lookups and
+        pushes; headers included), in all and per step."""
         pushed = sum(m[0] for m in self._moved)
         pulled = sum(m[1] for m in self._moved)
         per = max(1, self.steps)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows",
-           "sparse_update_problem"]
+           "sparse_update_problem", "table_label"]
 
 # torch optimizers with a sparse update (checked against torch by the tests)
 SPARSE_OPTIMIZERS = ("SGD", "Adagrad", "SparseAdam")
@@ -73,6 +73,11 @@ def sparse_update_problem(cls: type, groups: list[dict]) -> str | None:
     return None
 
 
+def table_label(module: torch.nn.Module) -> str:
+    """``Embedding(10000, 64)``: a table as messages name it."""
+    return f"{type(module).__name__}({module.weight.shape[0]}, {module.weight.shape[1]})"
+
+
 def find_tables(modules) -> tuple[dict[int, torch.nn.Module], list[str]]:
     """Of ``modules``' parameters, the lookup tables to serve by rows (``id(weight)`` ->
     its module), and the names of tables that must be served whole, with why."""
@@ -84,8 +89,7 @@ def find_tables(modules) -> tuple[dict[int, torch.nn.Module], list[str]]:
     for module in modules:
         if not isinstance(module, _LOOKUP_MODULES) or module.weight is None:
             continue
-        weight = module.weight
-        label = f"{type(module).__name__}({weight.shape[0]}, {weight.shape[1]})"
+        weight, label = module.weight, table_label(module)
         own = type(module).forward is (torch.nn.EmbeddingBag.forward if isinstance(
             module, torch.nn.EmbeddingBag) else torch.nn.Embedding.forward)
         if uses[id(weight)] > 1:

@@ -30,7 +30,7 @@ from ..distribute.parameters import ParameterStore
 from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
 from .client import ParameterServerClient, Push
 from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, serve_by_rows,
-                               sparse_update_problem)
+                               sparse_update_problem, table_label)
 from .sharded_state import FORMAT, split_state, whole_state
 from .sharded_variable import Layout, Partitioner
 from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
@@ -65,6 +65,7 @@ class RemoteParameterStore(ParameterStore):
         self._whole: list[list[torch.Tensor]] = [[] for _ in range(client.num_ps)]
         self.served_whole: list[str] = []  # tables that could not be served by rows, why
         self._row_served: set[int] = set()     # ids of the tables served by rows
+        self._holding: list[bool] = []          # per ps: holds any shard
         self._counting_ps = 0
 
     def begin_run(self, reads: bool = True):
@@ -96,7 +97,8 @@ class RemoteParameterStore(ParameterStore):
             if shard.var not in tables:
                 self._whole[shard.ps].append(piece)
         self.client.register(held, self._whole)
-        self._counting_ps = min(k for k in range(self.client.num_ps) if held[k])
+        self._holding = [bool(shards) for shards in held]  # the ps tasks a push goes to
+        self._counting_ps = self._holding.index(True)
         for var, module in tables.items():
             central = tensors[var]
             self.tables[var] = RowTable(var, tuple(central.shape), central.dtype,
@@ -114,9 +116,8 @@ class RemoteParameterStore(ParameterStore):
         if not self.serve_embedding_rows:
             return {}
         if any(self.copies) and found:  # mirrors copy every variable whole to replicas
-            self.served_whole += [f"{type(m).__name__}({m.weight.shape[0]}, "
-                                  f"{m.weight.shape[1]}): its replicas get copies (GPU "
-                                  "workers or copy_parameters)" for m in found.values()]
+            self.served_whole += [f"{table_label(m)}: its replicas get copies (GPU workers "
+                                  "or copy_parameters)" for m in found.values()]
             found = {}
         if self.served_whole:
             warnings.warn("served whole, not by rows (read in full by every worker): " +
@@ -192,7 +193,7 @@ class RemoteParameterStore(ParameterStore):
         if not any(self.owns(p) for p in params):
             return
         self.ensure_optimizer(optimizer)
-        pushes = [Push() if self._holds(k) else None for k in range(self.client.num_ps)]
+        pushes = [Push() if holds else None for holds in self._holding]
         for p in params:
             if p.grad is not None and p in self._ids:
                 self._add_push(pushes, self._ids[p], p.grad)
@@ -201,9 +202,6 @@ class RemoteParameterStore(ParameterStore):
         for p in params:  # updated remotely: the local step must do nothing
             p.grad = None
         self.client.count_step()
-
-    def _holds(self, k: int) -> bool:
-        return any(s.ps == k for s in self.layout.shards)
 
     def _add_push(self, pushes: list[Push], var: int, grad: torch.Tensor) -> None:
         """A variable's gradient to the ps tasks of its shards: dense slices, or (row
@@ -364,8 +362,8 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
                         for k in self._remote().shard_devices(tensor))
 
     def transfer_stats(self) -> dict:
-        """Bytes this worker moved to and from the ps tasks for its steps (lookups,
-        pushes, pulls), in all and per step."""
+        """Bytes this worker moved to and from the ps tasks for its steps (lookups and
+        pushes), in all and per step."""
         return self._remote().client.transfer_stats()
 
     @property

@@ -39,6 +39,11 @@ class _Failed(Exception):
     """A worker's update that the ps could not apply (the job cannot go on with it)."""
 
 
+def _rows_like(table: torch.Tensor, count: int) -> torch.Tensor:
+    """What ``count`` rows of ``table`` look like (no memory): to cut received buffers."""
+    return torch.empty((count, *table.shape[1:]), dtype=table.dtype, device="meta")
+
+
 class ParameterServer:
     """A ``ps`` task: holds a shard of the variables and applies pushed gradients."""
 
@@ -59,6 +64,7 @@ class ParameterServer:
         self._vars: dict[int, torch.Tensor] = {}   # shard id -> its rows
         self._specs: dict[int, dict] = {}          # shard id -> var, start, rows?, group
         self._group_of: dict[int, dict] = {}       # id(shard) -> its optimizer group
+        self._whole: list[torch.Tensor] = []       # shards served whole, by id (pulled)
         self._optimizer = None
         self._lock = threading.Lock()
         self.version = 0
@@ -198,8 +204,7 @@ class ParameterServer:
     # -- variables -------------------------------------------------------------------------
     def _values(self) -> list[torch.Tensor]:
         """The values of the shards served whole (a worker reads table rows by lookups)."""
-        whole = [self._vars[i] for i in sorted(self._vars) if not self._specs[i]["rows"]]
-        return flat_by_dtype(whole) if whole else []
+        return flat_by_dtype(self._whole) if self._whole else []
 
     def _register(self, meta: dict, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """The first worker's values initialize the shards; later ones take them. A
@@ -220,6 +225,7 @@ class ParameterServer:
         for spec, tensor in zip(specs, variables):
             self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
             self._specs[spec["id"]] = spec
+        self._whole = [self._vars[i] for i in sorted(self._vars) if not self._specs[i]["rows"]]
         return [encode({"need_values": False})] + self._values()
 
     def _check_same_model(self, specs: list[dict]) -> None:
@@ -249,8 +255,7 @@ class ParameterServer:
     def _assign(self, meta: dict, ids: torch.Tensor, flats: list[torch.Tensor]) -> None:
         """Write rows of tables (a worker's ``load_state_dict``)."""
         requested = self._requested(meta, ids)
-        shapes = [torch.empty((len(w), *t.shape[1:]), dtype=t.dtype, device="meta")
-                  for t, w in requested]
+        shapes = [_rows_like(t, len(w)) for t, w in requested]
         with torch.no_grad():
             for (table, wanted), rows in zip(requested, views_like(shapes, flats)):
                 table.index_copy_(0, wanted, rows)
@@ -297,8 +302,7 @@ class ParameterServer:
             raise _Refused("a gradient arrived before the optimizer was registered")
         dense = [self._vars[i] for i in meta["dense"]]
         rows = meta.get("rows", [])
-        shapes = dense + [torch.empty((n, *self._vars[s].shape[1:]), device="meta",
-                                      dtype=self._vars[s].dtype) for s, n, _ in rows]
+        shapes = dense + [_rows_like(self._vars[s], n) for s, n, _ in rows]
         grads = views_like(shapes, flats)  # the received buffers themselves, no copy
         for tensor in self._vars.values():
             tensor.grad = None
