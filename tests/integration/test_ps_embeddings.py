@@ -88,6 +88,12 @@ class Cluster:
         for thread in self.threads:
             thread.join(timeout=30)
 
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def central(sparse: bool, optimizer: str) -> dict:
     model = train(CentralStorageStrategy(["CPU:0"]), sparse, optimizer)
@@ -103,21 +109,17 @@ def central(sparse: bool, optimizer: str) -> dict:
 ])
 def test_one_worker_ends_where_central_storage_does(sparse, optimizer, ps, partitioner):
     expected = central(sparse, optimizer)
-    cluster = Cluster(ps, variable_partitioner=partitioner)
-    try:
+    with Cluster(ps, variable_partitioner=partitioner) as cluster:
         model = train(cluster.strategy, sparse, optimizer)
         got = model.state_dict()
         assert set(got) == set(expected)
         for key, value in expected.items():
             assert got[key].shape == value.shape, key
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    finally:
-        cluster.close()
 
 
 def test_a_worker_keeps_no_table_and_moves_only_the_rows_it_touches():
-    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2))
-    try:
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(2)) as cluster:
         model = train(cluster.strategy, True, "Adagrad", steps=3)
         for table in (model.users.weight, model.items.weight):
             assert table.untyped_storage().nbytes() == 4  # one float stands for it
@@ -135,8 +137,6 @@ def test_a_worker_keeps_no_table_and_moves_only_the_rows_it_touches():
         state["users.weight"][7] = 42.0
         model.load_state_dict(state)
         assert torch.equal(model.state_dict()["users.weight"][7], torch.full((4,), 42.0))
-    finally:
-        cluster.close()
 
 
 class Tied(torch.nn.Module):
@@ -151,8 +151,7 @@ class Tied(torch.nn.Module):
 
 
 def test_a_tied_table_is_served_whole_and_the_run_says_so_once():
-    cluster = Cluster(1)
-    try:
+    with Cluster(1) as cluster:
         with cluster.strategy.scope():
             torch.manual_seed(0)
             model = Tied()
@@ -166,30 +165,22 @@ def test_a_tied_table_is_served_whole_and_the_run_says_so_once():
                                      args=(ids,))
                 optimizer.step()
         assert model.embed.weight.untyped_storage().nbytes() == 10 * 4 * 4  # kept whole
-    finally:
-        cluster.close()
 
 
 def test_a_lookup_outside_the_table_fails_like_torchs():
-    cluster = Cluster(1)
-    try:
+    with Cluster(1) as cluster:
         with cluster.strategy.scope():
             model = torch.nn.Embedding(5, 2)
         with pytest.raises(Exception, match="index out of range in self: Embedding has 5 "
                                             "rows, the input holds row 7"):
             cluster.strategy.run(lambda i: model(i).sum(), args=(torch.tensor([1, 7]),))
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize("shards", [1, 2, 5])
 def test_the_checkpointed_ps_state_is_the_same_whatever_the_sharding(shards):
-    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(shards))
-    try:
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(shards)) as cluster:
         train(cluster.strategy, True, "Adagrad", steps=3)
         state = cluster.strategy.extended.ps_state()
-    finally:
-        cluster.close()
     reference = _reference_state()
     assert set(state["variables"]) == set(reference["variables"])
     for var, value in reference["variables"].items():
@@ -204,32 +195,23 @@ _REFERENCE: list = []
 
 def _reference_state() -> dict:
     if not _REFERENCE:
-        cluster = Cluster(1)
-        try:
+        with Cluster(1) as cluster:
             train(cluster.strategy, True, "Adagrad", steps=3)
             _REFERENCE.append(cluster.strategy.extended.ps_state())
-        finally:
-            cluster.close()
     return _REFERENCE[0]
 
 
 def test_a_checkpoint_of_one_sharding_restores_into_another():
-    cluster = Cluster(1)
-    try:
+    with Cluster(1) as cluster:
         train(cluster.strategy, True, "Adagrad", steps=3)
         saved = cluster.strategy.extended.ps_state()
-    finally:
-        cluster.close()
-    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(3))
-    try:
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(3)) as cluster:
         torch.manual_seed(1)  # other initial values: the restore must replace them
         with cluster.strategy.scope():
             model = Ranker(True)
             optimizer = torch.optim.Adagrad(model.parameters(), lr=0.3)
         cluster.strategy.extended.load_ps_state(saved, optimizer)
         again = cluster.strategy.extended.ps_state()
-    finally:
-        cluster.close()
     for var, value in saved["variables"].items():
         assert torch.equal(again["variables"][var], value)
         for slot, expected in saved["slots"][var].items():
@@ -241,19 +223,15 @@ def test_two_local_replicas_end_where_central_storages_two_do(sparse, optimizer)
     devices = ["CPU:0", "CPU:1"]
     model = train(CentralStorageStrategy(devices), sparse, optimizer)
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2),
-                      compute_devices=devices)
-    try:
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(2),
+                 compute_devices=devices) as cluster:
         got = train(cluster.strategy, sparse, optimizer).state_dict()
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    finally:
-        cluster.close()
 
 
 def test_a_checkpoint_by_ps_task_of_an_earlier_csrun_resumes_unpartitioned_only():
-    cluster = Cluster(2)
-    try:
+    with Cluster(2) as cluster:
         model = train(cluster.strategy, True, "Adagrad", steps=2)
         ext = cluster.strategy.extended
         by_task = ext._remote().client.state()  # what earlier checkpoints held
@@ -270,16 +248,11 @@ def test_a_checkpoint_by_ps_task_of_an_earlier_csrun_resumes_unpartitioned_only(
         ext.load_ps_state(by_task)
         for key, value in model.state_dict().items():
             assert torch.equal(value, expected[key]), key
-    finally:
-        cluster.close()
-    cluster = Cluster(2, variable_partitioner=FixedShardsPartitioner(2))
-    try:
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(2)) as cluster:
         train(cluster.strategy, True, "Adagrad", steps=1)
         with pytest.raises(ValueError, match="resume it without "
                                              "strategy.variable_partitioner"):
             cluster.strategy.extended.load_ps_state(by_task)
-    finally:
-        cluster.close()
 
 
 class Scaled(torch.nn.Embedding):
@@ -299,15 +272,12 @@ class ReadsTheWeight(torch.nn.Module):
 
 
 def test_a_replica_reading_a_served_tables_weight_is_refused_naming_it():
-    cluster = Cluster(1)
-    try:
+    with Cluster(1) as cluster:
         with cluster.strategy.scope():
             model = ReadsTheWeight()
         with pytest.raises(Exception, match=r"Embedding.weight is an embedding table served "
                                             r"by rows .* strategy.serve_embedding_rows: false"):
             cluster.strategy.run(lambda i: model(i).backward(), args=(torch.tensor([1]),))
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize("make, why", [
@@ -327,18 +297,14 @@ def test_a_table_that_cannot_be_served_by_rows_is_served_whole_and_trains_right(
         return model.weight.detach().clone()
 
     expected = run(CentralStorageStrategy(["CPU:0"]))
-    cluster = Cluster(1)
-    try:
+    with Cluster(1) as cluster:
         with pytest.warns(UserWarning, match=why):
             got = run(cluster.strategy)
         torch.testing.assert_close(got, expected)
-    finally:
-        cluster.close()
 
 
 def test_replicas_with_copies_read_tables_whole():
-    cluster = Cluster(1, options=StrategyOptions(copy_parameters=True))
-    try:
+    with Cluster(1, options=StrategyOptions(copy_parameters=True)) as cluster:
         with cluster.strategy.scope():
             torch.manual_seed(0)
             model = torch.nn.Embedding(10, 4)
@@ -348,16 +314,11 @@ def test_replicas_with_copies_read_tables_whole():
                                  args=(torch.tensor([1]),))
         optimizer.step()
         assert model.weight.untyped_storage().nbytes() == 10 * 4 * 4
-    finally:
-        cluster.close()
 
 
 def test_a_workers_optimizer_keeps_no_state_of_a_served_table():
-    cluster = Cluster(1)
-    try:
+    with Cluster(1) as cluster:
         model = train(cluster.strategy, True, "Adagrad", steps=1)
         optimizer = cluster.strategy.extended._remote()._optimizer
         assert model.users.weight not in optimizer.state  # Adagrad's sum of it: on the ps
         assert model.tower.weight in optimizer.state  # (made at construction, unused)
-    finally:
-        cluster.close()
