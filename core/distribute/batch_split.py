@@ -156,8 +156,10 @@ class RunTiming:
     read later, once complete (:meth:`ready`), never waited for.
     """
 
-    def __init__(self, streams: Sequence | None, count: int):
+    def __init__(self, streams: Sequence | None, count: int,
+                 examples: Sequence[int] | None = None):
         self._streams = streams if streams is not None else (None,) * count
+        self.examples = examples  # each replica's, when the caller said (else counted)
         self._marks: list[list] = [[] for _ in range(count)]  # start, (arrive, depart)*, end
 
     def _mark(self, replica_id: int) -> None:
@@ -246,6 +248,7 @@ class BatchBalancer:
         self._quiet = self.WARMUP  # runs left before measuring again
         self._runs = 0
         self._pending: tuple | None = None  # a measured run whose events may be running
+        self._told: list | None = None  # the next run's examples, when its caller knows
         self.active: RunTiming | None = None  # the run being measured, for collectives
 
     @property
@@ -268,6 +271,7 @@ class BatchBalancer:
     def begin_run(self, streams: Sequence | None) -> RunTiming | None:
         """The timing of the run about to start, or None when it is not measured."""
         self._collect()
+        told, self._told = self._told, None  # said of this run only
         self._runs += 1
         if self._quiet > 0:
             self._quiet -= 1
@@ -275,15 +279,22 @@ class BatchBalancer:
         stride = 1 if self.policy.updates < 2 else self.STRIDE
         if self._pending is not None or self._runs % stride:
             return None
-        self.active = RunTiming(streams, self.count)
+        self.active = RunTiming(streams, self.count, told)
         return self.active
+
+    def examples_of_next_run(self, counts: Sequence[int]) -> None:
+        """Each replica's examples in the next run, from a caller that split them along
+        another dimension than the first (DataParallel's ``dim``)."""
+        self._told = list(counts)
 
     def end_run(self, timing: RunTiming, replica_args: Sequence,
                 replica_kwargs: Sequence | None) -> None:
         """Keep the run's timing with each replica's example count; read it when ready."""
         self.active = None
-        examples = [_examples((a, replica_kwargs[r] if replica_kwargs else None))
-                    for r, a in enumerate(replica_args)]
+        examples = timing.examples
+        if examples is None:
+            examples = [_examples((a, replica_kwargs[r] if replica_kwargs else None))
+                        for r, a in enumerate(replica_args)]
         if None not in examples:
             self._pending = (timing, examples)
             self._collect()

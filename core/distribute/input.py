@@ -45,6 +45,7 @@ __all__ = [
     "TensorSliceDataset",
     "split_batch",
     "Feeder",
+    "place_values",
     "UNKNOWN_CARDINALITY",
 ]
 
@@ -448,6 +449,20 @@ def _on(tensor: Any, kind: str, device: torch.device) -> bool:
     if not isinstance(tensor, torch.Tensor):
         return True
     return tensor.is_cpu if kind == "cpu" else tensor.device == device
+
+
+def place_values(values: list, devices: Sequence[torch.device]) -> list:
+    """Each replica's value (a nest) with its tensors on that replica's device.
+
+    ``experimental_distribute_values_from_function``: TF leaves a value where
+    ``value_fn`` made it and copies it when a replica's op reads it on another device;
+    torch would fail there instead, so a tensor on another torch device moves now. On its
+    own device (every logical CPU is the host's) it is the very tensor ``value_fn``
+    returned.
+    """
+    return [map_structure(lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor)
+                          and v.device != d else v, value)
+            for value, device in zip(values, devices)]
 
 
 class Optional_:

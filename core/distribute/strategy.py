@@ -25,7 +25,7 @@ from .cross_device_ops import Collectives
 from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
-                    InputOptions, TensorSliceDataset, ValueContext)
+                    InputOptions, TensorSliceDataset, ValueContext, place_values)
 from .parameters import ParameterStore, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
@@ -250,10 +250,15 @@ class Strategy:
         return self.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
-        """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf)."""
+        """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf).
+
+        A tensor ``value_fn`` made on another torch device than its replica's moves to
+        the replica's (TF would copy it when the replica's op reads it; torch would fail).
+        """
         ext = self._extended
-        values = [value_fn(ValueContext(ext.replica_offset + r, self.num_replicas_in_sync))
-                  for r in range(ext.num_local_replicas)]
+        values = place_values(
+            [value_fn(ValueContext(ext.replica_offset + r, self.num_replicas_in_sync))
+             for r in range(ext.num_local_replicas)], ext.torch_devices)
         if len(values) == 1:
             return map_structure(lambda v: PerReplica([v]), values[0])
         return regroup(values, collapse_identical=False)
