@@ -309,6 +309,11 @@ class BatchBalancer:
         timing, examples = self._pending
         self._pending = None
         seconds = timing.seconds()
-        if seconds is not None and self.policy.observe(examples, seconds):
+        if seconds is not None:
+            self.measured(examples, seconds)
+
+    def measured(self, examples: Sequence[int], seconds: Sequence[float]) -> None:
+        """One measured run: each replica's examples and busy seconds."""
+        if self.policy.observe(examples, seconds):
             self._state = (self.policy.weights, {})
             self._quiet = self.SETTLE

@@ -258,7 +258,8 @@ class Strategy:
         ext = self._extended
         values = place_values(
             [value_fn(ValueContext(ext.replica_offset + r, self.num_replicas_in_sync))
-             for r in range(ext.num_local_replicas)], ext.torch_devices)
+             for r in range(ext.num_local_replicas)],
+            [d.torch_device for d in ext.compute_devices])
         if len(values) == 1:
             return map_structure(lambda v: PerReplica([v]), values[0])
         return regroup(values, collapse_identical=False)
