@@ -342,3 +342,51 @@ def test_dataparallel_gathers_the_mean_loss_of_unequal_parts(monkeypatch):
     result = model(x)
     assert float(result["loss"]) == pytest.approx(float(x.mean()))
     assert torch.equal(result["out"], x)
+
+
+# -- the runner ------------------------------------------------------------------------------
+def _config(*overrides):
+    from csrun.core.runner.preflight import load_config_text
+    from tests.helpers.tiny_config import tiny_config
+    return load_config_text(tiny_config("train.steps=12", *overrides), "tiny.yaml")
+
+
+def test_the_runner_hands_strategy_batch_split_to_its_strategy():
+    from csrun.core.runner.roles import LocalRole
+    assert LocalRole(_config()).strategy.extended.batch_balancer.mode == "even"
+    role = LocalRole(_config("strategy.batch_split=balanced"))
+    assert role.strategy.extended.batch_balancer.balanced
+
+
+def test_balanced_with_per_replica_batches_is_a_config_problem():
+    from csrun.core.config.problems import ConfigError
+    with pytest.raises(ConfigError) as caught:
+        _config("strategy.batch_split=balanced", "dataset.distribute=per_replica")
+    assert [p.path for p in caught.value.problems] == ["strategy.batch_split"]
+    assert "dataset.distribute: global" in str(caught.value)
+    _config("dataset.distribute=per_replica")  # auto: nothing to balance, no problem
+    with pytest.raises(ConfigError, match="batch_split"):
+        _config("strategy.batch_split=uneven")
+
+
+def test_a_balanced_run_trains_every_example_of_its_global_batches(monkeypatch):
+    from csrun.core.runner.replica_step import ReplicaStep, first_leaf
+    from csrun.core.runner.train import train
+    clock = _clocked(monkeypatch)
+    real = ReplicaStep.__call__
+
+    def costly(self, batch, *args):  # replica 1 three times slower per example
+        clock.work([1.0, 3.0][_rid()] * first_leaf(batch).shape[0])
+        return real(self, batch, *args)
+
+    monkeypatch.setattr(ReplicaStep, "__call__", costly)
+    from csrun.core.runner.events import StepLog
+    config = _config("strategy.batch_split=balanced", "strategy.execution=ordered",
+                     "train.steps=24", "train.log_every=12")
+    events = []
+    result = train(config, on_event=events.append).to_dict()
+    examples = [r["examples"] for r in result["per_replica"]]
+    assert sum(examples) == result["examples"] and result["steps"] == 24
+    last = [log for log in events if isinstance(log, StepLog)][-1]
+    late = [r.examples for r in last.replicas]  # steps 13..24: split 3 to 1
+    assert late[0] == pytest.approx(3 * late[1], rel=0.15)
