@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -39,7 +37,8 @@ import csrun.core as cs
 from csrun.core.distribute.batch_split import even_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
-from targets import BATCH_SPLIT_TARGET, median_interval, verdict  # noqa: E402
+from targets import BATCH_SPLIT_TARGET, verdict  # noqa: E402
+from throughput import interleaved  # noqa: E402
 
 
 class SlowReplica(nn.Module):
@@ -103,21 +102,13 @@ def _loop(devices: list, parameter: str, split: str, widths: tuple, slow: int, b
 
 
 def _interleaved(variants: dict, examples: int, rounds: int) -> dict:
-    rates: dict = {k: [] for k in variants}
-    names = list(variants)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            variants[name]()
-            rates[name].append(examples / (time.perf_counter() - start))
-    base = rates["fastest_alone"]
-    out = {}
-    for name, values in rates.items():
-        ratios = [v / b for v, b in zip(values, base)]
-        out[name] = {"examples_per_s": statistics.median(values),
-                     "ratio_vs_fastest_alone": statistics.median(ratios),
-                     "ratio_ci95": median_interval(ratios)}
-    return out
+    """throughput.py's interleaved rounds, with ``fastest_alone`` as the yardstick."""
+    names = {"fastest_alone": "plain"}
+    result = interleaved({names.get(k, k): fn for k, fn in variants.items()}, examples,
+                         rounds)
+    back = {v: k for k, v in names.items()}
+    return {back.get(k, k): {("ratio_vs_fastest_alone" if f == "ratio_vs_plain" else f): x
+                             for f, x in v.items()} for k, v in result.items()}
 
 
 def _section(setups: dict, widths: tuple, batch: int, args, optimizer: str) -> dict:
