@@ -31,6 +31,8 @@ DATA_PARALLEL_TARGET = 0.85
 RUNNER_OVERHEAD_TARGET = 1.05
 # a soak's step time late in the run / early after the warm-up, each in reference steps
 SOAK_SLOWDOWN_TARGET = 1.5
+# issue 36: replicas of unequal speed, balanced split / the fastest replica alone
+BATCH_SPLIT_TARGET = 1.0
 # the most seconds csrun validate may take to refuse one bad config (docs/reliability.md)
 BAD_CONFIG_LIMIT_S = 10.0
 # the most seconds a shipped CPU config may take from the command line (README: quickstart

@@ -75,6 +75,15 @@ class CentralStorageConfig(_Section):
     execution: Literal["auto", "ordered", "concurrent"] = Field(
         "auto", description=_EXECUTION)
     copy_parameters: bool = Field(False, description=_COPY)
+    batch_split: Literal["auto", "even", "balanced"] = Field(
+        "auto", description="How each global batch is split over the replicas: `even` "
+        "(TF's equal shares), `balanced` (in proportion to each replica's measured speed, "
+        "re-measured as the run goes, so a GPU is not kept waiting by a CPU replica; the "
+        "loss stays the global-batch mean and BatchNorm global), or `auto`: balanced for "
+        "replicas on different kinds of device (GPU and CPU), else even. Balanced shares "
+        "follow timing, so results may differ in the last bits from run to run: use "
+        "`even` where a run must repeat bit for bit. It splits global batches "
+        "(`dataset.distribute: global`); see docs/performance.md.")
 
 
 def _address(value: str) -> str:

@@ -39,15 +39,29 @@ def _check_tensors(kind: str, leaves: list) -> None:
 class Collectives:
     """The collectives of one run, bound to its rendezvous and the strategy's devices."""
 
-    __slots__ = ("_run", "_strategy", "_devices", "_reduce_device", "_streams")
+    __slots__ = ("_run", "_strategy", "_devices", "_reduce_device", "_streams", "_timing")
 
     def __init__(self, run, strategy, devices: list, reduce_device: torch.device,
-                 streams: list | None = None):
+                 streams: list | None = None, timing=None):
         self._run = run
         self._strategy = strategy
         self._devices = devices  # each replica's torch device (the strategy's own list)
         self._reduce_device = reduce_device
         self._streams = streams  # the replicas' CUDA streams, None without GPU replicas
+        self._timing = timing  # the run's RunTiming when its replicas' speed is measured
+
+    def _meet(self, replica_id: int, kind: str, payload: Any,
+              merge: Callable[[list], list]) -> Any:
+        """The run's rendezvous; a measured run counts the wait as no work of this
+        replica's (a fast replica waits here for the slow ones)."""
+        timing = self._timing
+        if timing is None:
+            return self._run.sync(replica_id, kind, payload, merge)
+        timing.arrive(replica_id)
+        try:
+            return self._run.sync(replica_id, kind, payload, merge)
+        finally:
+            timing.depart(replica_id)
 
     def _settle(self) -> None:
         """Wait for every GPU replica's queued work (and ours): a merge reads tensors made on
@@ -100,7 +114,7 @@ class Collectives:
             return self._combine(kind, payloads, lambda values: reduce_values(
                 op, values, None, self._reduce_device))
         with torch.no_grad():
-            return self._run.sync(replica_id, kind, tensors, merge)
+            return self._meet(replica_id, kind, tensors, merge)
 
     def all_reduce(self, replica_id: int, op: ReduceOp, value: Any) -> Any:
         leaves = flatten(value)
@@ -121,7 +135,7 @@ class Collectives:
                         for pos in range(len(payloads[0]))] for r in range(len(payloads))]
             return list(zip(gathered, offsets))
         with torch.no_grad():
-            return self._run.sync(replica_id, "all_gather", tensors, merge)
+            return self._meet(replica_id, "all_gather", tensors, merge)
 
     def all_gather(self, replica_id: int, value: Any, axis: int) -> Any:
         leaves = flatten(value)
@@ -154,7 +168,7 @@ class Collectives:
             self._invalidate_copies()
             return [select_replica(r, result) for r in range(len(payloads))]
 
-        return self._run.sync(replica_id, "merge_call", (tuple(args), dict(kwargs)), merge)
+        return self._meet(replica_id, "merge_call", (tuple(args), dict(kwargs)), merge)
 
     def custom(self, replica_id: int, kind: str, payload: Any,
                merge: Callable[[list], list]) -> Any:
@@ -165,7 +179,7 @@ class Collectives:
             self._settle()
             self._invalidate_copies(by_user=False)
             return results
-        return self._run.sync(replica_id, kind, payload, settled)
+        return self._meet(replica_id, kind, payload, settled)
 
 
 def _backward_collectives(ctx) -> Collectives:

@@ -21,7 +21,7 @@ import torch
 from .devices import (DeviceError, LogicalDevice, default_compute_devices,
                       default_parameter_device, parse_device, resolve_device, resolve_devices)
 from .scatter_gather import gather, scatter, to_device
-from .strategy import CentralStorageStrategy
+from .strategy import CentralStorageStrategy, StrategyOptions
 
 __all__ = ["DataParallel"]
 
@@ -43,9 +43,14 @@ class DataParallel(torch.nn.Module):
         Default: the device the module is on (the CPU for a module without tensors and
         several replicas); a module elsewhere is moved there now (build the optimizer
         after wrapping).
+      batch_split: how each batch is split, keyword-only: ``"even"`` (torch's equal
+        parts), ``"balanced"`` (in proportion to each replica's measured speed), or
+        ``"auto"`` (balanced for replicas on different kinds of device, e.g. a GPU and
+        the CPU; else even). See :class:`~.strategy.StrategyOptions`.
 
     Raises:
       TypeError: ``module`` is not a ``torch.nn.Module``, or ``dim`` not an int >= 0.
+      ValueError: an unknown ``batch_split``.
       DeviceError: a device that cannot be parsed, does not exist or repeats, or a module
         whose tensors live on several devices when no ``parameter_device`` is given.
 
@@ -60,7 +65,8 @@ class DataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, device_ids: Any = None,
-                 output_device: Any = None, dim: int = 0, *, parameter_device: Any = None):
+                 output_device: Any = None, dim: int = 0, *, parameter_device: Any = None,
+                 batch_split: str = "auto"):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"DataParallel wraps a torch.nn.Module, got "
@@ -81,7 +87,9 @@ class DataParallel(torch.nn.Module):
         # one replica where the parameters and the output are: the module itself
         self._direct = len(compute) == 1 and \
             self._devices[0] == self.parameter_device == self.output_device
-        self._strategy = CentralStorageStrategy(compute, parameter)
+        self._strategy = CentralStorageStrategy(
+            compute, parameter, options=StrategyOptions(batch_split=batch_split))
+        self._balancer = self._strategy.extended.batch_balancer
 
     @property
     def strategy(self) -> CentralStorageStrategy:
@@ -99,13 +107,21 @@ class DataParallel(torch.nn.Module):
         if self._direct:  # as torch's with one device: the module, on the inputs moved
             device = self._devices[0]
             return self.module(*to_device(inputs, device), **to_device(kwargs, device))
-        args, replica_kwargs, counts = scatter(inputs, kwargs, self._devices, self.dim)
+        balancer = self._balancer
+        args, replica_kwargs, counts = scatter(
+            inputs, kwargs, self._devices, self.dim,
+            balancer.sizes if balancer.balanced else None)
         extended = self._strategy.extended
+        if balancer.balanced:  # timed by the examples split along dim, not dim 0
+            balancer.examples_of_next_run(counts)
         outputs = extended.call_for_each_replica_split(self.module, args, replica_kwargs)
-        return gather(outputs, counts, self.output_device, self.dim, self._backward)
+        return gather(outputs, counts, self.output_device, self.dim,
+                      lambda pairs: self._backward(pairs, counts))
 
-    def _backward(self, pairs: list) -> None:
+    def _backward(self, pairs: list, counts: list) -> None:
         """Each replica's backward ``pairs[r] = (tensors, grads)``, as one run."""
+        if self._balancer.balanced:
+            self._balancer.examples_of_next_run(counts)
         self._strategy.extended.call_for_each_replica_split(_replica_backward, pairs,
                                                             backward=True)
 

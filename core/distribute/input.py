@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import queue
 import threading
 import warnings
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .batch_split import even_sizes
 from .values import PerReplica, flatten, map_structure, regroup
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "TensorSliceDataset",
     "split_batch",
     "Feeder",
+    "place_values",
     "UNKNOWN_CARDINALITY",
 ]
 
@@ -161,35 +164,47 @@ def _leaf_tensor(leaf: Any) -> torch.Tensor:
         f"({leaf!r:.60}); convert it in the dataset or collate function")
 
 
-def split_batch(batch: Any, num_replicas: int) -> list:
-    """Split one global batch into ``num_replicas`` consecutive slices (TF's rule)."""
+def split_batch(batch: Any, num_replicas: int,
+                sizes: Callable[[int], Sequence[int]] | None = None) -> list:
+    """Split one global batch into ``num_replicas`` consecutive slices.
+
+    ``sizes(n)`` gives each replica's examples of a batch of ``n``; default TF's rule,
+    ``ceil(n / num_replicas)`` each (:func:`~.batch_split.even_sizes`).
+    """
+    rule = sizes if sizes is not None else _even_rule(num_replicas)
     if num_replicas > 1 and type(batch) in (tuple, list):
-        pieces = _split_flat(batch, num_replicas)
+        pieces = _split_flat(batch, rule)
         if pieces is not None:
             return pieces
     leaves = [_leaf_tensor(x) for x in flatten(batch)]
     if num_replicas == 1:
         it = iter(leaves)
         return [map_structure(lambda _: next(it), batch)]
-    sizes = set()
+    counts = set()
     for leaf in leaves:
         if leaf.dim() == 0:
             raise ValueError(
                 "the dataset yields unbatched (0-d) elements, which cannot be split across "
                 f"{num_replicas} replicas; give experimental_distribute_dataset global "
                 "batches (e.g. a DataLoader with batch_size=...)")
-        sizes.add(leaf.shape[0])
-    if len(sizes) > 1:
-        raise ValueError(f"the tensors of one batch have different batch sizes {sorted(sizes)}; "
+        counts.add(leaf.shape[0])
+    if len(counts) > 1:
+        raise ValueError(f"the tensors of one batch have different batch sizes {sorted(counts)}; "
                          "every tensor of a batch needs the same leading dimension")
     out = []
-    for piece in _slices(leaves, sizes.pop() if sizes else 0, num_replicas):
+    for piece in _slices(leaves, rule(counts.pop() if counts else 0)):
         it = iter(piece)
         out.append(map_structure(lambda _: next(it), batch))
     return out
 
 
-def _split_flat(batch: tuple | list, num_replicas: int) -> list | None:
+@functools.lru_cache(maxsize=64)
+def _even_rule(num_replicas: int) -> Callable[[int], tuple]:
+    """TF's split for ``num_replicas``, remembered per batch size (asked every step)."""
+    return functools.lru_cache(maxsize=8)(lambda n: tuple(even_sizes(n, num_replicas)))
+
+
+def _split_flat(batch: tuple | list, rule: Callable[[int], Sequence[int]]) -> list | None:
     """:func:`split_batch` of a flat tuple or list of batched tensors, the usual
     ``(x, y)``, without walking nests (a step's input path: 50 → 31 µs for two
     tensors). None for anything else, which takes the general path and its errors."""
@@ -204,14 +219,18 @@ def _split_flat(batch: tuple | list, num_replicas: int) -> list | None:
     if size is None:
         return None
     kind = type(batch)
-    return [kind(piece) for piece in _slices(batch, size, num_replicas)]
+    return [kind(piece) for piece in _slices(batch, rule(size))]
 
 
-def _slices(leaves: Sequence[torch.Tensor], size: int, num_replicas: int) -> list[list]:
-    """Each replica's consecutive slice of every leaf (TF's rule: ``ceil(size / n)``
-    examples each, so the last replicas get fewer or none)."""
-    per = -(-size // num_replicas)
-    return [[leaf[r * per:(r + 1) * per] for leaf in leaves] for r in range(num_replicas)]
+def _slices(leaves: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[list]:
+    """Each replica's consecutive slice of every leaf, ``sizes[r]`` examples for replica
+    ``r`` (a replica with none gets an empty slice of the right trailing shape)."""
+    out, start = [], 0
+    for size in sizes:
+        end = start + size
+        out.append([leaf[start:end] for leaf in leaves])
+        start = end
+    return out
 
 
 # -- prefetching ------------------------------------------------------------------------
@@ -327,36 +346,62 @@ class _Inline:
 class Feeder:
     """Moves each replica's share of a step onto its device; regroups it for the consumer.
 
-    ``place`` runs on the prefetch thread, ``finish`` on the consumer's thread.
+    Every component reaches its own replica's device, wherever the dataset made it (TF's
+    ``experimental_fetch_to_device``): host slices go to a GPU replica from pinned memory,
+    non-blocking, on a copy stream the replica's stream then waits for; a slice of a
+    batch already on a GPU goes to another GPU the same way, and to a CPU replica as a
+    copy the host waits for (the replica reads it as soon as it starts). With
+    ``fetch_to_device=False`` components stay where the dataset made them.
+
+    ``place`` runs on the prefetch thread (on the consumer's for in-memory batches of
+    CPU replicas), ``finish`` on the consumer's thread.
     """
 
     def __init__(self, devices: list, fetch_to_device: bool, streams: list | None = None):
         self._devices = [d.torch_device for d in devices]
         # decided once: `device.type` costs ~2 µs, and place runs for every step
-        self._fetch = fetch_to_device and any(d.type == "cuda" for d in self._devices)
+        kinds = [d.type for d in self._devices]
+        self._to_gpu_ids = [r for r, k in enumerate(kinds) if k == "cuda"]
+        self._gpu = fetch_to_device and bool(self._to_gpu_ids)
+        # a CPU replica's slice can only be elsewhere when something else exists: on a
+        # CPU-only machine its check (~0.5 µs a tensor) is skipped
+        self._check = fetch_to_device and (
+            any(k not in ("cpu", "cuda") for k in kinds) or
+            (any(k == "cpu" for k in kinds) and torch.accelerator.is_available()))
+        self._kinds = kinds
         self._streams = streams  # the replicas' CUDA streams (None: no GPU replica)
         self._copy_streams = {}
 
     @property
     def copies(self) -> bool:
-        """Whether placing a step copies anything (to a GPU)."""
-        return self._fetch
+        """Whether placing a step copies anything to a GPU (then a thread reads ahead)."""
+        return self._gpu
 
     def place(self, per_replica: list) -> tuple[list, list]:
-        if not self._fetch:  # nothing to copy: no GPU replica, or fetching turned off
+        if not (self._gpu or self._check):  # the usual CPU case: nothing can be elsewhere
             return per_replica, []
-        placed, events = [], []
+        placed, events = list(per_replica), []
         for replica_id, (nest, device) in enumerate(zip(per_replica, self._devices)):
-            if device.type == "cuda":
-                nest, event = self._to_gpu(nest, device)
-                events.append((replica_id, event, nest))
-            placed.append(nest)
+            kind = self._kinds[replica_id]
+            if kind == "cuda":
+                if self._gpu:
+                    placed[replica_id], event = self._to_gpu(nest, device)
+                    events.append((replica_id, event, placed[replica_id]))
+            elif self._check and not all(_on(t, kind, device) for t in flatten(nest)):
+                placed[replica_id] = map_structure(lambda t: self._to_other(t, device), nest)
         return placed, events
 
-    def _to_gpu(self, nest: Any, device: torch.device):
+    def _copy_stream(self, device: torch.device):
         stream = self._copy_streams.get(device)
         if stream is None:
             stream = self._copy_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _to_gpu(self, nest: Any, device: torch.device):
+        stream = self._copy_stream(device)
+        sources = {t.device for t in flatten(nest) if isinstance(t, torch.Tensor) and t.is_cuda}
+        for source in sources:
+            _after_producer(stream, source)
         with torch.cuda.stream(stream):
             moved = map_structure(
                 lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
@@ -364,6 +409,20 @@ class Feeder:
             event = torch.cuda.Event()
             event.record(stream)
         return moved, event
+
+    def _to_other(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A slice for a CPU (or other non-CUDA) replica: on its device before the
+        replica starts. Off a GPU the copy runs on a copy stream of that GPU and the host
+        waits for it: not on the default stream, which would also wait for the
+        replicas' work in flight."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device == device:
+            return tensor
+        if tensor.device.type != "cuda":
+            return tensor.to(device)
+        stream = self._copy_stream(tensor.device)
+        _after_producer(stream, tensor.device)
+        with torch.cuda.stream(stream):
+            return tensor.to(device)
 
     def finish(self, item: tuple[list, list]) -> Any:
         nests, events = item
@@ -376,6 +435,34 @@ class Feeder:
         if len(nests) == 1:
             return nests[0]
         return regroup(nests, collapse_identical=False)
+
+
+def _after_producer(stream, source: torch.device) -> None:
+    """``stream`` (a copy stream: torch makes them non-blocking, so they do not follow
+    the default stream by themselves) waits for the work that made a batch on GPU
+    ``source``: whatever this thread queued there, the dataset's own ops included."""
+    stream.wait_stream(torch.cuda.current_stream(source))
+
+
+def _on(tensor: Any, kind: str, device: torch.device) -> bool:
+    """Whether a component is on its replica's device already (non-tensors always are)."""
+    if not isinstance(tensor, torch.Tensor):
+        return True
+    return tensor.is_cpu if kind == "cpu" else tensor.device == device
+
+
+def place_values(values: list, devices: Sequence[torch.device]) -> list:
+    """Each replica's value (a nest) with its tensors on that replica's device.
+
+    ``experimental_distribute_values_from_function``: TF leaves a value where
+    ``value_fn`` made it and copies it when a replica's op reads it on another device;
+    torch would fail there instead, so a tensor on another torch device moves now. On its
+    own device (every logical CPU is the host's) it is the very tensor ``value_fn``
+    returned.
+    """
+    return [map_structure(lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor)
+                          and v.device != d else v, value)
+            for value, device in zip(values, devices)]
 
 
 class Optional_:
@@ -531,10 +618,11 @@ class DistributedDataset(_DistributedBase):
 
     def _producer(self, feeder) -> Callable[[Iterator], Any]:
         total, first, count = self._total_replicas, self._offset, self._num_replicas
+        rule = _split_rule(self._strategy.extended.batch_balancer, total, first, count)
 
         def produce(source: Iterator) -> Any:
             # In a cluster every worker reads each global batch and keeps its replicas' part.
-            return feeder.place(split_batch(next(source), total)[first:first + count])
+            return feeder.place(split_batch(next(source), total, rule)[first:first + count])
         return produce
 
     @property
@@ -544,6 +632,22 @@ class DistributedDataset(_DistributedBase):
             return len(self._dataset)
         except TypeError:
             return UNKNOWN_CARDINALITY
+
+
+def _split_rule(balancer, total: int, first: int, count: int):
+    """The sizes rule of :func:`split_batch` for this machine's replicas: None (TF's even
+    split) unless they are balanced. In a cluster each worker's part of a global batch
+    stays TF's (the workers cannot time each other), split by speed among its replicas."""
+    if not balancer.balanced:
+        return None
+    if total == count:
+        return balancer.sizes
+
+    def rule(size: int) -> list[int]:
+        sizes = even_sizes(size, total)
+        sizes[first:first + count] = balancer.sizes(sum(sizes[first:first + count]))
+        return sizes
+    return rule
 
 
 class DistributedDatasetsFromFunction(_DistributedBase):

@@ -2,9 +2,11 @@
 
 torch's ``nn.parallel.scatter_gather`` for csrun's engine, as :class:`DataParallel` uses
 it. **Scatter** splits every tensor of the arguments (inside tuples, lists, namedtuples
-and dicts) along ``dim``, balanced: with a batch of 5 on 2 replicas they get 3 and 2
+and dicts) along ``dim``, evenly: with a batch of 5 on 2 replicas they get 3 and 2
 (torch's ``chunk`` would give 4 on 3 replicas only 2 chunks; here every replica gets a
-part, one of them perhaps empty). Anything else is passed to every replica as it is.
+part, one of them perhaps empty), or by the replicas' measured speed when the strategy
+balances its batches (:mod:`.batch_split`). Each part goes to its replica's device,
+wherever the input was. Anything else is passed to every replica as it is.
 
 **Gather** concatenates each output tensor of the replicas along ``dim`` on the output
 device, through tuples, lists, dicts and dataclasses (Hugging Face's ``ModelOutput``
@@ -25,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,17 +44,22 @@ def split_sizes(size: int, count: int) -> list[int]:
     return [base + 1 if r < extra else base for r in range(count)]
 
 
-def scatter(args: tuple, kwargs: dict, devices: list[torch.device],
-            dim: int) -> tuple[list, list, list[int]]:
+def scatter(args: tuple, kwargs: dict, devices: list[torch.device], dim: int,
+            sizes: Callable[[int], Sequence[int]] | None = None
+            ) -> tuple[list, list, list[int]]:
     """Each replica's args and kwargs, and how many examples each got (the split of the
-    first tensor found, args before kwargs).
+    first tensor found, args before kwargs). Every part is on its replica's device.
+
+    ``sizes(n)``: each replica's part of ``n`` along ``dim`` (default
+    :func:`split_sizes`; a strategy's balancer splits by replica speed).
 
     Raises:
       ValueError: no tensor to split, an empty batch, or a tensor without ``dim``.
     """
     counts: list[int] = []
-    replica_args = _scatter(tuple(args), devices, dim, counts)
-    replica_kwargs = _scatter(dict(kwargs), devices, dim, counts)
+    rule = sizes if sizes is not None else (lambda n: split_sizes(n, len(devices)))
+    replica_args = _scatter(tuple(args), devices, dim, counts, rule)
+    replica_kwargs = _scatter(dict(kwargs), devices, dim, counts, rule)
     if not counts:
         raise ValueError("DataParallel splits the tensors of its inputs along dim, but this "
                          "call has none; call .module(...) directly for work without a batch")
@@ -63,7 +70,7 @@ def to_device(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor (through tuples, lists and dicts) moved to ``device``,
     unsplit: one replica's call."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        return _moved(value, device)
     if isinstance(value, Mapping):
         return _rebuild_mapping(value, {k: to_device(v, device) for k, v in value.items()})
     if isinstance(value, (tuple, list)):
@@ -71,21 +78,29 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _scatter(value: Any, devices: list, dim: int, counts: list) -> list:
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``: without waiting when it goes to a GPU (the GPU's stream
+    orders the copy before its use); to the host with a copy the host waits for, since a
+    CPU replica reads it at once (a non-blocking copy there could be read unfinished)."""
+    return tensor.to(device, non_blocking=device.type == "cuda")
+
+
+def _scatter(value: Any, devices: list, dim: int, counts: list, rule: Callable) -> list:
     count = len(devices)
     if isinstance(value, torch.Tensor):
-        return _split(value, devices, dim, counts)
+        return _split(value, devices, dim, counts, rule)
     if isinstance(value, Mapping):
-        columns = {k: _scatter(v, devices, dim, counts) for k, v in value.items()}
+        columns = {k: _scatter(v, devices, dim, counts, rule) for k, v in value.items()}
         return [_rebuild_mapping(value, {k: c[r] for k, c in columns.items()})
                 for r in range(count)]
     if isinstance(value, (tuple, list)):
-        columns = [_scatter(v, devices, dim, counts) for v in value]
+        columns = [_scatter(v, devices, dim, counts, rule) for v in value]
         return [_rebuild_sequence(value, [c[r] for c in columns]) for r in range(count)]
     return [value] * count
 
 
-def _split(tensor: torch.Tensor, devices: list, dim: int, counts: list) -> list:
+def _split(tensor: torch.Tensor, devices: list, dim: int, counts: list,
+           rule: Callable) -> list:
     if tensor.dim() <= dim:
         raise ValueError(f"DataParallel splits inputs along dim={dim}, but got a tensor of "
                          f"shape {tuple(tensor.shape)}; pass per-batch tensors (a value the "
@@ -94,11 +109,10 @@ def _split(tensor: torch.Tensor, devices: list, dim: int, counts: list) -> list:
     if size == 0:
         raise ValueError(f"DataParallel got an empty batch (a tensor of shape "
                          f"{tuple(tensor.shape)}, 0 along dim={dim})")
-    sizes = split_sizes(size, len(devices))
+    sizes = list(rule(size))
     if not counts:
         counts.extend(sizes)
-    return [part.to(device, non_blocking=True)
-            for part, device in zip(tensor.split(sizes, dim), devices)]
+    return [_moved(part, device) for part, device in zip(tensor.split(sizes, dim), devices)]
 
 
 def _rebuild_mapping(like: Mapping, items: dict) -> Mapping:

@@ -18,13 +18,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import context
+from .batch_split import MODES, BatchBalancer
 from .context import (Entry, ReplicaContext, cross_replica_required,
                       require_cross_replica_or_default)
 from .cross_device_ops import Collectives
 from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
-                    InputOptions, TensorSliceDataset, ValueContext)
+                    InputOptions, TensorSliceDataset, ValueContext, place_values)
 from .parameters import ParameterStore, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
@@ -47,16 +48,24 @@ class StrategyOptions:
         reproducible, see ``ExecutionPolicy``), ``"ordered"`` (TF's replica order) or
         ``"concurrent"``.
       sync_batch_norm: BatchNorm created in scope normalizes with global-batch statistics.
+      batch_split: how a global batch is split over the replicas: ``"even"`` (TF's
+        equal shares), ``"balanced"`` (in proportion to each replica's measured speed,
+        see :mod:`.batch_split`), or ``"auto"``: balanced for replicas on different
+        kinds of device (GPU and CPU), else even.
     """
 
     copy_parameters: bool = False
     execution: str = "auto"
     sync_batch_norm: bool = True
+    batch_split: str = "auto"
 
     def __post_init__(self):
         if self.execution not in ("auto", "ordered", "concurrent"):
             raise ValueError(f"execution must be 'auto', 'ordered' or 'concurrent', got "
                              f"{self.execution!r}")
+        if self.batch_split not in MODES:
+            raise ValueError(f"batch_split must be 'auto', 'even' or 'balanced', got "
+                             f"{self.batch_split!r}")
 
 
 @dataclasses.dataclass
@@ -241,10 +250,16 @@ class Strategy:
         return self.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
-        """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf)."""
+        """A PerReplica of ``value_fn(ValueContext)`` for each replica (nests: per leaf).
+
+        A tensor ``value_fn`` made on another torch device than its replica's moves to
+        the replica's (TF would copy it when the replica's op reads it; torch would fail).
+        """
         ext = self._extended
-        values = [value_fn(ValueContext(ext.replica_offset + r, self.num_replicas_in_sync))
-                  for r in range(ext.num_local_replicas)]
+        values = place_values(
+            [value_fn(ValueContext(ext.replica_offset + r, self.num_replicas_in_sync))
+             for r in range(ext.num_local_replicas)],
+            [d.torch_device for d in ext.compute_devices])
         if len(values) == 1:
             return map_structure(lambda v: PerReplica([v]), values[0])
         return regroup(values, collapse_identical=False)
@@ -377,6 +392,8 @@ class ParameterServerStrategyExtended:
         self._policy = ExecutionPolicy(compute, self.options.execution)
         self._streams = None
         self._has_gpu = any(d.is_gpu for d in compute)  # checked on every run
+        self._balancer = BatchBalancer(self.options.batch_split, compute)
+        self._balanced = self._balancer.balanced  # checked on every run
         self._run_lock = threading.Lock()
         self._current_run = None  # the ReplicaRun in progress, for backwards that meet there
 
@@ -509,6 +526,9 @@ class ParameterServerStrategyExtended:
         policy = self._policy
         streams = self._replica_streams()
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
+        timing = self._balancer.begin_run(streams) if self._balanced else None
+        if timing is not None:
+            body = timing.wrap(body)
         run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
                          servings, self._collectives_for, policy.random(), policy.team())
         if streams is not None:
@@ -522,16 +542,21 @@ class ParameterServerStrategyExtended:
             self._store.finish_run(servings, reads)
         except BaseException:
             self._store.discard_run(servings)
+            if timing is not None:
+                self._balancer.discard_run()
             raise
         finally:
             self._current_run = None
             run.release()
         policy.after_run(snapshot, run.durations)
+        if timing is not None:
+            self._balancer.end_run(timing, replica_args, replica_kwargs)
         return outputs
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:
         return Collectives(run, self._container, self._store.torch_devices,
-                           self._parameter.torch_device, self._streams)
+                           self._parameter.torch_device, self._streams,
+                           self._balancer.active)
 
     def _replica_body(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
                       streams: list | None) -> Callable:
@@ -582,6 +607,11 @@ class ParameterServerStrategyExtended:
         for device, stream in zip(self._compute, streams):
             if stream is not None:
                 torch.cuda.current_stream(device.torch_device).wait_stream(stream)
+
+    @property
+    def batch_balancer(self) -> BatchBalancer:
+        """How global batches are split over this machine's replicas (even or by speed)."""
+        return self._balancer
 
     def input_feeder(self, options: InputOptions) -> Feeder:
         """What places each step's input on the replicas' devices (``input.py``)."""

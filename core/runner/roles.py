@@ -58,7 +58,8 @@ class LocalRole:
         s = config.strategy
         self.strategy = CentralStorageStrategy(
             s.compute_devices, s.parameter_device,
-            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution))
+            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution,
+                                    batch_split=s.batch_split))
         self.parameter_device = self.strategy.extended.parameter_device.short_name
 
     def state_dict(self) -> dict:

@@ -30,7 +30,7 @@ from ...config.problems import Problem
 from ...config.schema import RunConfig
 from ...data.imported import ImportedData
 from .cluster import cluster_problems
-from .data import check_data, check_distribution
+from .data import check_batch_split, check_data, check_distribution
 from .devices import check_devices, check_environment, replica_count
 from .model import check_model_on_data
 from .optimizer import check_optimizer
@@ -85,6 +85,8 @@ def preflight(sections: dict[str, Any]) -> list[Problem]:
     problems += check_training(sections) + check_length(train)
     if dataset is None:
         return problems
+    if strategy is not None:
+        problems += check_batch_split(strategy, dataset)
     data, pipeline, found = check_data(dataset, train.seed if train is not None else 0)
     problems += found
     if data is not None and model is not None:

@@ -13,7 +13,7 @@ from ...distribute.device_lib import memory_bytes
 from ...distribute.devices import resolve_device
 from .devices import gib
 
-__all__ = ["check_data", "check_distribution"]
+__all__ = ["check_data", "check_distribution", "check_batch_split"]
 
 
 def check_data(dataset, seed: int) -> tuple[SourceData | None, Pipeline | None, list]:
@@ -68,6 +68,17 @@ def _check_workers(dataset) -> list[Problem]:
     return [Problem("dataset.workers", f"{dataset.workers} worker processes for "
                     f"{os.cpu_count()} CPU cores", f"use at most {limit}; 0 loads in the "
                     "main process, fastest for small in-memory data")]
+
+
+def check_batch_split(strategy, dataset) -> list[Problem]:
+    """``batch_split: balanced`` has global batches to split."""
+    if getattr(strategy, "batch_split", "auto") != "balanced" or \
+            dataset.distribute != "per_replica":
+        return []
+    return [Problem("strategy.batch_split", "balanced splits each global batch by replica "
+                    "speed, but with dataset.distribute: per_replica every replica gets "
+                    "whole batches of its pipeline's size", "use dataset.distribute: "
+                    "global, or batch_split: auto or even")]
 
 
 def check_distribution(dataset, pipeline: Pipeline, replicas: int, train) -> list[Problem]:
