@@ -27,7 +27,8 @@ replay it without TensorFlow:
 An error is ``crash: true`` unless it is one of TF's own checks (``DESIGNED``): TF
 failing on an input it does not check (an ``IndexError`` indexing a scalar's shape, a
 ``ZeroDivisionError`` for zero rows, ``range(2.5)``); the test then asks that csrun
-refuse that input with a clear ``ValueError`` or ``TypeError`` of its own. String dtypes are not recorded: torch has none.
+refuse that input with a clear ``ValueError`` or ``TypeError`` of its own. String dtypes
+are not recorded: torch has none.
 """
 
 from __future__ import annotations
