@@ -472,12 +472,15 @@ def measure(args) -> dict:
     version, note = tf_available(args.tf_python)
     tf_ok = version is not None
     print(note or f"TensorFlow {version} ({args.tf_python})", flush=True)
+    if environment():  # a user's run sets none of these
+        print(f"NOTE: measured with {environment()}", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", "benchmarks/ps_vs_tf.py", *sys.argv[1:]]),
-              "machine": f"{platform.machine()} {platform.processor()}".strip(),
+              "machine": f"{platform.machine()} {cpu_name()}",
               "cpu_count": os.cpu_count(), "python": platform.python_version(),
               "torch": torch.__version__, "tensorflow": version, "tf_python": args.tf_python,
               "tf_note": note or None, "load_at_start": os.getloadavg(),
+              "environment": environment(),
               "settings": {k: v for k, v in vars(args).items() if k not in TASK_ONLY}}
     with tempfile.TemporaryDirectory(prefix="csrun-ps-vs-tf-") as tmp:
         folder = Path(tmp)
@@ -493,6 +496,20 @@ def measure(args) -> dict:
         shown = "-" if t["value"] is None else f"{t['value']:.2f}"
         print(f"target {t['what']} {t['target']}: {shown} ({t['verdict']})")
     return result
+
+
+def environment() -> dict:
+    """Thread settings in this environment, which every task inherits."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("OMP_", "KMP_", "MKL_", "TF_NUM_", "TF_ENABLE_ONEDNN"))}
+
+
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if "model name" in line)
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 TASK_ONLY = ("task", "share", "result", "barrier", "workers", "json")

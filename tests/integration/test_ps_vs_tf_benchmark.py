@@ -84,6 +84,7 @@ def test_the_csrun_side_runs_at_tiny_size_and_reports_tf_not_measured(tmp_path):
     assert "TensorFlow not measured: no --tf-python given" in done.stdout
     result = json.loads(out.read_text())
     assert result["tensorflow"] is None and result["settings"]["tables"] == [4000, 400, 100, 60]
+    assert isinstance(result["environment"], dict) and result["machine"]
     [pair] = result["cells"]["2x1"]["rounds"]
     assert set(pair) == {"csrun"}
     run = pair["csrun"]
