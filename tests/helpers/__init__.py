@@ -3,6 +3,7 @@
 ``cli``              the real ``csrun`` as a process: its command and environment
 ``tiny_config``      the tiny config the tests train, and its variants
 ``golden``           TensorFlow's recorded outputs, decoded and compared
+``ps_plan``          TF's recorded parameter-server plan, and csrun's answers to its cases
 ``clean_failure``    the rules every rejected input follows (``csrun validate`` outcomes)
 ``broken_configs``   hypothesis strategies that break a valid config
 ``injected_faults``  a user model that fails on cue (NaN, inf, an exception)
