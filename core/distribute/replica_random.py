@@ -199,7 +199,7 @@ def replica_seed(seed: int, replica_id: int) -> int:
 
 def _is_cpu(device: Any) -> bool:
     if device is None:
-        return torch.get_default_device().type == "cpu"
+        return torch_internals.default_device().type == "cpu"
     return torch.device(device).type == "cpu"
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.utils._pytree as _pytree
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._device import DeviceContext as _DeviceContext
 
 __all__ = [
     "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
@@ -35,7 +36,7 @@ __all__ = [
     "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
-    "function_modes",
+    "function_modes", "default_device", "register_state_dict_hooks",
     "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
 ]
 
@@ -55,6 +56,49 @@ set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 # (torch.set_default_device, ``with torch.device(...)``) is always one, so 0 means none:
 # torch.get_default_device() costs ~10 µs and is asked on every reduce.
 function_mode_depth: Callable[[], int] = torch._C._len_torch_function_stack
+
+
+def default_device() -> torch.device:
+    """The device factory functions allocate on when none is given: the innermost
+    ``with torch.device(...)``, else ``torch.set_default_device``'s, else the CPU.
+
+    ``torch.get_default_device()`` does not say so on every release csrun supports:
+    before 2.10 it raises ``AttributeError`` after ``set_default_device(x)`` then
+    ``set_default_device(None)``, and before 2.7 it ignores ``with torch.device(...)``.
+    Both are torch function modes (``DeviceContext``) on this thread's mode stack, the
+    one thing every release agrees on; the global one is also kept in a thread-local
+    that other threads read (torch's own later logic, done here for every release)."""
+    for mode in reversed(function_modes()):
+        if isinstance(mode, _DeviceContext):
+            return _with_index(mode.device)
+    held = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    if held is not None:
+        return _with_index(held.device)
+    return torch.device("cpu")
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, as torch answers (CPU and meta have no index)."""
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    return torch.empty(0, device=device).device
+
+
+def register_state_dict_hooks(module: torch.nn.Module, save: Callable,
+                              load_pre: Callable) -> None:
+    """``save(module, state_dict, prefix, local_metadata)`` after ``module.state_dict()``
+    fills its entries, ``load_pre(module, state_dict, prefix, local_metadata, strict,
+    missing_keys, unexpected_keys, error_msgs)`` before ``load_state_dict`` reads them.
+    torch made both public in 2.5 (``register_state_dict_post_hook``,
+    ``register_load_state_dict_pre_hook``); before, the same hooks are private."""
+    if hasattr(module, "register_state_dict_post_hook"):
+        module.register_state_dict_post_hook(save)
+    else:  # torch < 2.5: same call, same signature
+        module._register_state_dict_hook(save)
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        module.register_load_state_dict_pre_hook(load_pre)
+    else:  # with_module=True: called with the module first, as the public one is
+        module._register_load_state_dict_pre_hook(load_pre, with_module=True)
 
 
 # -- a module's parameter and buffer dicts --------------------------------------------------
