@@ -20,7 +20,7 @@ import torch
 
 from .devices import (DeviceError, LogicalDevice, default_compute_devices,
                       default_parameter_device, parse_device, resolve_device, resolve_devices)
-from .scatter_gather import gather, scatter, to_device
+from .scatter_gather import gather, scatter, to_device, whole_batch_loss
 from .strategy import CentralStorageStrategy
 
 __all__ = ["DataParallel"]
@@ -77,6 +77,7 @@ class DataParallel(torch.nn.Module):
         self.device_ids = [d.short_name for d in compute]
         self.output_device = output.torch_device
         self.parameter_device = parameter.torch_device
+        self._parameter_name = parameter.short_name
         self._devices = [d.torch_device for d in compute]
         # one replica where the parameters and the output are: the module itself
         self._direct = len(compute) == 1 and \
@@ -86,7 +87,21 @@ class DataParallel(torch.nn.Module):
     @property
     def strategy(self) -> CentralStorageStrategy:
         """The strategy that runs the replicas (its ``extended`` tells how they ran)."""
+        if self._strategy is None:  # a copy's: made at its first use (see __getstate__)
+            self._strategy = CentralStorageStrategy(resolve_devices(self.device_ids),
+                                                    resolve_device(self._parameter_name))
         return self._strategy
+
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy``, ``pickle`` and ``torch.save`` keep: all but the strategy
+        (its threads, locks and weak tables cannot be copied). A copy (an ``AveragedModel``
+        for EMA or SWA, a whole model saved) makes a strategy of its own on the same
+        devices at its first use; its module is served from its first call in a replica,
+        as a module built outside a strategy's scope is (its tensors come back in torch's
+        plain dicts)."""
+        state = dict(super().__getstate__())
+        state["_strategy"] = None
+        return state
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's output for the whole batch: the batch split along ``dim``, one
@@ -100,14 +115,15 @@ class DataParallel(torch.nn.Module):
             device = self._devices[0]
             return self.module(*to_device(inputs, device), **to_device(kwargs, device))
         args, replica_kwargs, counts = scatter(inputs, kwargs, self._devices, self.dim)
-        extended = self._strategy.extended
+        extended = self.strategy.extended
         outputs = extended.call_for_each_replica_split(self.module, args, replica_kwargs)
-        return gather(outputs, counts, self.output_device, self.dim, self._backward)
+        return gather(outputs, counts, self.output_device, self.dim, self._backward,
+                      loss_sum=whole_batch_loss(kwargs))
 
     def _backward(self, pairs: list) -> None:
         """Each replica's backward ``pairs[r] = (tensors, grads)``, as one run."""
-        self._strategy.extended.call_for_each_replica_split(_replica_backward, pairs,
-                                                            backward=True)
+        self.strategy.extended.call_for_each_replica_split(_replica_backward, pairs,
+                                                           backward=True)
 
     def extra_repr(self) -> str:
         return (f"device_ids={self.device_ids}, output_device={self.output_device}, "

@@ -33,7 +33,8 @@ __all__ = [
     "route_module_calls", "restore_module_calls", "compiled_module_type", "compiled_original",
     "has_post_accumulate_grad_hook", "grad_hooks", "route_hook_registration",
     "restore_hook_registration", "current_backward_id", "queue_backward_callback",
-    "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
+    "foreach_add_", "pytree_leaves", "pytree_node", "pytree_flatten", "pytree_unflatten",
+    "compiler_in_use", "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
     "function_modes", "default_device", "register_state_dict_hooks",
@@ -246,6 +247,18 @@ foreach_add_: Callable[[list, list], None] = torch._foreach_add_
 # classes), where a run's outputs may hide tensors to watch. torch 2.13 has no public
 # pytree module.
 pytree_leaves: Callable = _pytree.tree_leaves
+
+
+def pytree_node(cls: type) -> bool:
+    """Whether torch's pytree knows how to take ``cls`` apart and put it back
+    (``register_pytree_node``): DataParallel gathers such an output as its type."""
+    return cls in _pytree.SUPPORTED_NODES
+
+
+# ``tree_flatten(value) -> (leaves, spec)`` and ``tree_unflatten(leaves, spec)``: the
+# same pytree, its leaves replaced (specs compare equal when the structures are).
+pytree_flatten: Callable = _pytree.tree_flatten
+pytree_unflatten: Callable = _pytree.tree_unflatten
 
 
 def compiler_in_use() -> bool:
