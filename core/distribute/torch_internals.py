@@ -20,6 +20,7 @@ import ctypes
 import operator
 import os
 import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -34,7 +35,9 @@ __all__ = [
     "has_post_accumulate_grad_hook", "grad_hooks", "route_hook_registration",
     "restore_hook_registration", "current_backward_id", "queue_backward_callback",
     "foreach_add_", "pytree_leaves", "pytree_node", "pytree_flatten", "pytree_unflatten",
-    "compiler_in_use", "is_batch_norm",
+    "compiler_in_use", "dynamo_tracing", "compiler_inlines_modules",
+    "compiled_function_original", "COMPILED_REPLICAS_SINCE", "compiles_in_replicas",
+    "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
     "function_modes", "default_device", "register_state_dict_hooks",
@@ -268,6 +271,49 @@ def compiler_in_use() -> bool:
     process-wide state (an environment variable, warning filters), which importing csrun
     must not take."""
     return "torch._dynamo" in sys.modules
+
+
+def dynamo_tracing() -> bool:
+    """Whether this thread is inside ``torch.compile``'s tracing: in the code it traces
+    (``torch.compiler.is_compiling()``) or in its runs of that code on fake tensors,
+    which is_compiling() does not report (torch 2.4 runs built-in modules on fake
+    copies there). csrun's checks that compare real tensors must not run then."""
+    if torch.compiler.is_compiling():
+        return True
+    return compiler_in_use() and torch._guards.TracingContext.try_get() is not None
+
+
+def compiler_inlines_modules() -> bool:
+    """Whether ``torch.compile`` traces into ``nn.Module`` calls, reading parameters
+    where the module's code reads them (``torch._dynamo.config.inline_inbuilt_nn_modules``:
+    the default from torch 2.5, always on from 2.13, which warns when it is read). Only
+    then do compiled replicas read csrun's served parameters: otherwise dynamo keeps
+    built-in modules as opaque calls and AOT autograd lifts the parameters it found when
+    compiling into the graph, one replica's leaves of one run, for good."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None:
+        return True  # nothing compiled yet: the question does not arise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return bool(getattr(config, "inline_inbuilt_nn_modules", True))
+
+
+# The first torch release whose compiled replicas read csrun's served parameters into
+# their graphs with a bounded number of graphs, results equal to eager (test_compile.py
+# and benchmarks/torch_versions.py, on 2.11 and up): before, dynamo guards on the
+# parameters read, and every run recompiles (2.4 through 2.9 seen) until the limit.
+COMPILED_REPLICAS_SINCE = (2, 11)
+
+
+def compiles_in_replicas() -> bool:
+    """Whether ``torch.compile``'d code can run in csrun's replicas on this torch."""
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return release >= COMPILED_REPLICAS_SINCE and compiler_inlines_modules()
+
+
+def compiled_function_original(fn: Callable) -> Callable | None:
+    """The function that ``torch.compile(fn)`` wrapped, None for any other callable."""
+    return getattr(fn, "_torchdynamo_orig_callable", None)
 
 
 # -- BatchNorm --------------------------------------------------------------------------

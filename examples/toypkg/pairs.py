@@ -68,10 +68,10 @@ def contrastive_loss(model, batch):
     anchors, positives = model(batch["anchor"]), model(batch["positive"])
     context = cs.get_replica_context()
     every_positive = context.all_gather(positives, axis=0)  # the whole batch's, in order
-    sizes = context.all_gather(torch.tensor([len(anchors)]), axis=0)
+    sizes = context.all_gather(torch.tensor([len(anchors)], device="cpu"), axis=0)
     first = int(sizes[:context.replica_id_in_sync_group].sum())  # this slice's offset
     logits = anchors @ every_positive.T / TEMPERATURE
-    targets = torch.arange(first, first + len(anchors))
+    targets = torch.arange(first, first + len(anchors), device=logits.device)
     return F.cross_entropy(logits, targets, reduction="none")
 
 
@@ -86,10 +86,11 @@ def weighted_loss(model, batch):
     """``F.cross_entropy(logits, labels, weight=WEIGHTS)`` of the whole batch: each
     example's weighted loss, scaled so that the runner's sum over the batch divided by
     its example count is the weighted sum divided by the batch's total weight."""
-    labels = batch["label"]
-    losses = F.cross_entropy(model.classify(batch["anchor"]), labels, weight=WEIGHTS,
-                             reduction="none")  # WEIGHTS[label] * loss, per example
+    labels, weights = batch["label"], WEIGHTS.to(batch["label"].device)
+    losses = F.cross_entropy(model.classify(batch["anchor"]), labels, weight=weights,
+                             reduction="none")  # weights[label] * loss, per example
     context = cs.get_replica_context()
-    examples = context.all_reduce("SUM", torch.tensor(float(len(labels))))
-    weight = context.all_reduce("SUM", WEIGHTS[labels].sum())
+    count = torch.tensor(float(len(labels)), device=labels.device)
+    examples = context.all_reduce("SUM", count)
+    weight = context.all_reduce("SUM", weights[labels].sum())
     return losses * (examples / weight)
