@@ -506,6 +506,46 @@ def test_state_dict_hooks_run_with_the_module_and_torchs_arguments():
         assert calls == [("save", inner, "0."), ("load", inner, "0.", True)]
 
 
+class _Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+def test_pytree_node_flatten_and_unflatten():
+    import torch.utils._pytree as pytree
+    with relied_on("pytree_node / pytree_flatten / pytree_unflatten"):
+        assert ti.pytree_node(dict) and not ti.pytree_node(_Pair)
+        pytree.register_pytree_node(_Pair, lambda p: ([p.a, p.b], None),
+                                    lambda children, _: _Pair(*children))
+        try:
+            assert ti.pytree_node(_Pair)
+            leaves, spec = ti.pytree_flatten(_Pair(torch.ones(1), [torch.zeros(2)]))
+            assert [t.tolist() for t in leaves] == [[1.0], [0.0, 0.0]]
+            again = ti.pytree_unflatten([t + 1 for t in leaves], spec)
+            assert type(again) is _Pair and again.b[0].tolist() == [1.0, 1.0]
+        finally:
+            pytree.SUPPORTED_NODES.pop(_Pair, None)
+
+
+def test_dynamo_tracing_and_the_compiled_function():
+    with relied_on("dynamo_tracing / compiled_function_original"):
+        assert ti.dynamo_tracing() is False
+
+        def probe(x):
+            return x + 1, ti.dynamo_tracing()
+        compiled = torch.compile(probe, backend="eager")
+        assert compiled(torch.ones(1))[1] is True
+        assert ti.compiled_function_original(compiled) is probe
+        assert ti.compiled_function_original(probe) is None
+
+
+def test_compiles_in_replicas_from_its_release():
+    with relied_on("compiles_in_replicas"):
+        release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        assert ti.compiles_in_replicas() == (release >= ti.COMPILED_REPLICAS_SINCE)
+        assert isinstance(ti.compiler_inlines_modules(), bool)
+
+
 def test_uses_openmp_reads_torchs_report():
     with relied_on("uses_openmp"):
         lines = [line for line in torch.__config__.parallel_info().splitlines()
