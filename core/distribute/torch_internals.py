@@ -66,9 +66,10 @@ def default_device() -> torch.device:
     """The device factory functions allocate on when none is given: the innermost
     ``with torch.device(...)``, else ``torch.set_default_device``'s, else the CPU.
 
-    ``torch.get_default_device()`` does not say so on every release csrun supports:
-    before 2.10 it raises ``AttributeError`` after ``set_default_device(x)`` then
-    ``set_default_device(None)``, and before 2.7 it ignores ``with torch.device(...)``.
+    ``torch.get_default_device()`` does not say so on every release csrun supports: it
+    raises ``AttributeError`` after ``set_default_device(x)`` then
+    ``set_default_device(None)`` (2.4 to 2.9 seen) and ignores ``with torch.device(...)``
+    (2.4 and 2.6 seen; 2.11 and up answer right).
     Both are torch function modes (``DeviceContext``) on this thread's mode stack, the
     one thing every release agrees on; the global one is also kept in a thread-local
     that other threads read (torch's own later logic, done here for every release)."""

@@ -457,7 +457,7 @@ def _devices_seen_on_a_thread() -> tuple:
 
 def test_default_device_follows_every_way_of_setting_it():
     # torch.get_default_device() raised AttributeError after set(x), set(None) and ignored
-    # `with torch.device(...)` on the releases before 2.10 / 2.7: csrun asks this instead
+    # `with torch.device(...)` on older releases (2.4 both): csrun asks this instead
     with relied_on("default_device"):
         assert ti.default_device() == torch.device("cpu")
         with torch.device("meta"):
