@@ -3,11 +3,13 @@
 For each torch version it makes (or reuses) a venv under the cache directory, installs
 ``torch==V`` and csrun with its test extra there (a constraints file stops pip from moving
 torch; torch before 2.3 was built against NumPy 1, so it gets ``numpy<2``), runs the fast
-suite -- ``tests/unit`` and ``tests/cli`` without the ``slow`` and ``process`` markers --
-and prints one verdict line per version; a JSON summary goes next to the venvs.
-Defaults: the lowest torch pyproject.toml allows and the newest pip can install here.
+suite -- what ``python -m pytest`` runs: ``tests/`` without the ``slow`` and ``process``
+markers -- and prints one verdict line per version, then the table README's "Set up"
+shows; a JSON summary goes next to the venvs.
+Defaults: the lowest torch pyproject.toml allows, the first release whose compiled
+replicas run compiled (a middle one) and the newest pip can install here.
 
-    python benchmarks/torch_versions.py                    # pyproject's lowest, newest here
+    python benchmarks/torch_versions.py                    # lowest, middle, newest here
     python benchmarks/torch_versions.py 2.13.0 2.14.1      # chosen releases, one at a time
     python benchmarks/torch_versions.py --cache /tmp/tv --json /tmp/tv.json --fresh
 
@@ -15,11 +17,13 @@ A release below pyproject's bound is refused up front (pip would refuse csrun ne
 lower the bound there to try one.
 
 Not a test: pytest collects only tests/ and CI does not run it; run it by hand when the
-torch bound in pyproject.toml moves, and put its verdicts in README's "Set up". A venv is
+torch bound in pyproject.toml moves, and put its table in README's "Set up". A venv is
 kept for the next run and rebuilt when a run broke off while building it; pip's output
-and pytest's go to ``install.log`` and ``pytest.log`` inside it. Exit status: 0 when every
-version passed, 1 when a suite failed or timed out, 2 when a version could not be set up,
-130 on Ctrl-C or SIGTERM (which stop the running child and its own children first).
+and pytest's go to ``install.log`` and ``pytest.log`` inside it. PyPI's torch wheels for
+Linux are CUDA builds (a venv of 3-6 GB); the suite runs on the CPU all the same. Exit
+status: 0 when every version passed, 1 when a suite failed or timed out, 2 when a
+version could not be set up, 130 on Ctrl-C or SIGTERM (which stop the running child and
+its own children first).
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
-SUITE = ["tests/unit", "tests/cli"]
+SUITE = ["tests"]  # pyproject's testpaths: the default run's
+# The middle release of the default three: the first whose compiled replicas compile
+# (csrun.core.distribute.torch_internals.COMPILED_REPLICAS_SINCE); below it they run eagerly.
+MIDDLE = "2.11.0"
 SLOW_MARKERS = ("slow", "process")  # what the default `python -m pytest` leaves out
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "csrun" / "torch-versions"
 NUMPY1_BEFORE = (2, 3)  # torch releases before this were built against NumPy 1.x
@@ -297,11 +304,25 @@ def verdict_line(r: dict) -> str:
             f"{r['wall_s']:.0f} s  {r['verdict'].upper()}{reason}")
 
 
+def table(summary: dict) -> str:
+    """The results as README's Markdown table: one row per release."""
+    rows = ["| torch | numpy | passed | failed | errors | skipped | pytest time | verdict |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in summary["results"]:
+        if "passed" not in r:
+            rows.append(f"| {r['torch']} | | | | | | | {r['verdict']} |")
+            continue
+        rows.append(f"| {r['installed']} | {r['numpy']} | {r['passed']} | {r['failed']} | "
+                    f"{r['errors']} | {r['skipped']} | {r['wall_s'] / 60:.0f} min | "
+                    f"{r['verdict']} |")
+    return "\n".join(rows)
+
+
 def parse(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("versions", nargs="*", metavar="VERSION",
-                        help="torch releases to test (default: pyproject's lowest and the "
-                             "newest pip can install here)")
+                        help="torch releases to test (default: pyproject's lowest, "
+                             f"{MIDDLE} and the newest pip can install here)")
     parser.add_argument("--cache", type=Path, default=CACHE, help=f"the venvs (default {CACHE})")
     parser.add_argument("--json", type=Path, help="the summary (default CACHE/summary.json)")
     parser.add_argument("--fresh", action="store_true", help="rebuild the venvs from scratch")
@@ -329,7 +350,7 @@ def main(argv=None) -> int:
                "platform": platform.platform(), "paths": args.paths, "markers": args.markers,
                "results": []}
     try:
-        versions = args.versions or [pyproject_lowest(),
+        versions = args.versions or [pyproject_lowest(), MIDDLE,
                                      newest_installable(args.cache, args.install_timeout)]
         for version in versions:
             release(version)  # a typo fails before hours of installs, not after
@@ -338,6 +359,7 @@ def main(argv=None) -> int:
             print(verdict_line(summary["results"][-1]), flush=True)
             for line in summary["results"][-1].get("failures", [])[:5]:
                 print(f"    {line}")
+        print("\n" + table(summary), flush=True)
     except SetupError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

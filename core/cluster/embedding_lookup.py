@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..distribute import torch_internals
+
 __all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows",
            "sparse_update_problem", "table_label"]
 
@@ -191,6 +193,5 @@ def serve_by_rows(module: torch.nn.Module, table: RowTable) -> None:
                     incompatible.missing_keys.remove(key)
             loaded.clear()
 
-    module.register_state_dict_post_hook(save)
-    module.register_load_state_dict_pre_hook(load_pre)
+    torch_internals.register_state_dict_hooks(module, save, load_pre)
     module.register_load_state_dict_post_hook(load_post)

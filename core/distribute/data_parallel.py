@@ -20,7 +20,7 @@ import torch
 
 from .devices import (DeviceError, LogicalDevice, default_compute_devices,
                       default_parameter_device, parse_device, resolve_device, resolve_devices)
-from .scatter_gather import gather, scatter, to_device
+from .scatter_gather import gather, scatter, to_device, whole_batch_loss
 from .strategy import CentralStorageStrategy, StrategyOptions
 
 __all__ = ["DataParallel"]
@@ -83,18 +83,33 @@ class DataParallel(torch.nn.Module):
         self.device_ids = [d.short_name for d in compute]
         self.output_device = output.torch_device
         self.parameter_device = parameter.torch_device
+        self._parameter_name = parameter.short_name
         self._devices = [d.torch_device for d in compute]
         # one replica where the parameters and the output are: the module itself
         self._direct = len(compute) == 1 and \
             self._devices[0] == self.parameter_device == self.output_device
-        self._strategy = CentralStorageStrategy(
-            compute, parameter, options=StrategyOptions(batch_split=batch_split))
-        self._balancer = self._strategy.extended.batch_balancer
+        self._options = StrategyOptions(batch_split=batch_split)
+        self._strategy = CentralStorageStrategy(compute, parameter, options=self._options)
 
     @property
     def strategy(self) -> CentralStorageStrategy:
         """The strategy that runs the replicas (its ``extended`` tells how they ran)."""
+        if self._strategy is None:  # a copy's: made at its first use (see __getstate__)
+            self._strategy = CentralStorageStrategy(resolve_devices(self.device_ids),
+                                                    resolve_device(self._parameter_name),
+                                                    options=self._options)
         return self._strategy
+
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy``, ``pickle`` and ``torch.save`` keep: all but the strategy
+        (its threads, locks and weak tables cannot be copied). A copy (an ``AveragedModel``
+        for EMA or SWA, a whole model saved) makes a strategy of its own on the same
+        devices at its first use; its module is served from its first call in a replica,
+        as a module built outside a strategy's scope is (its tensors come back in torch's
+        plain dicts)."""
+        state = dict(super().__getstate__())
+        state["_strategy"] = None
+        return state
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The module's output for the whole batch: the batch split along ``dim``, one
@@ -107,23 +122,24 @@ class DataParallel(torch.nn.Module):
         if self._direct:  # as torch's with one device: the module, on the inputs moved
             device = self._devices[0]
             return self.module(*to_device(inputs, device), **to_device(kwargs, device))
-        balancer = self._balancer
+        balancer = self.strategy.extended.batch_balancer
         args, replica_kwargs, counts = scatter(
             inputs, kwargs, self._devices, self.dim,
             balancer.sizes if balancer.balanced else None)
-        extended = self._strategy.extended
         if balancer.balanced:  # timed by the examples split along dim, not dim 0
             balancer.examples_of_next_run(counts)
+        extended = self.strategy.extended
         outputs = extended.call_for_each_replica_split(self.module, args, replica_kwargs)
         return gather(outputs, counts, self.output_device, self.dim,
-                      lambda pairs: self._backward(pairs, counts))
+                      lambda pairs: self._backward(pairs, counts),
+                      loss_sum=whole_batch_loss(kwargs))
 
     def _backward(self, pairs: list, counts: list) -> None:
         """Each replica's backward ``pairs[r] = (tensors, grads)``, as one run."""
-        if self._balancer.balanced:
-            self._balancer.examples_of_next_run(counts)
-        self._strategy.extended.call_for_each_replica_split(_replica_backward, pairs,
-                                                            backward=True)
+        extended = self.strategy.extended
+        if extended.batch_balancer.balanced:
+            extended.batch_balancer.examples_of_next_run(counts)
+        extended.call_for_each_replica_split(_replica_backward, pairs, backward=True)
 
     def extra_repr(self) -> str:
         return (f"device_ids={self.device_ids}, output_device={self.output_device}, "

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -71,6 +72,7 @@ __all__ = ["ServedDict", "ParameterStore", "ReplicaServing", "set_aggregation",
            "get_aggregation", "serve_while"]
 
 _KINDS = ("parameter", "buffer")
+_PLAIN_DICT = type(plain_tensor_dict(()))  # the dict type torch's modules hold
 
 
 class ServedDict(dict):
@@ -130,7 +132,7 @@ class ServedDict(dict):
                 self.store.register_tensor(value)
 
     def __reduce_ex__(self, protocol):  # pickle/deepcopy as the plain dict it stands for
-        return (dict, (dict(dict.items(self)),))
+        return (_PLAIN_DICT, (dict(dict.items(self)),))  # (torch's: OrderedDict before 2.5)
 
     def path(self, name: str) -> str:
         module = self.module()
@@ -144,7 +146,10 @@ def _compiled_read(serving: "ReplicaServing", owner: ServedDict, name: str, valu
     per-replica leaves (guarded by replica id: one graph per replica), which
     :meth:`ParameterStore.begin_run` brings up to date once a compiled read was seen."""
     if owner.kind == "parameter":
-        leaf = serving.store.compiled_leaves[serving.replica_id].get(id(value))
+        store = serving.store
+        if store.direct:  # one replica, served the central tensors: read as a plain loop
+            return value
+        leaf = store.compiled_leaves[serving.replica_id].get(id(value))
         if leaf is not None:
             return leaf
     serve = _eager_serve
@@ -168,14 +173,56 @@ _eager_serve = None
 # torch.compile's module class, known once the compiler is in use: its submodules run
 # inside compiled code, so the wrapper itself is adopted with them (_module_call)
 _compiled_type: type | None = None
+# Whether compiled code may run in replicas on this torch (None: the compiler is not in
+# use yet); where not, compiled modules and run functions run eagerly (_eager_original)
+_compiles: bool | None = None
+_WARNED_EAGER: list = []  # the one warning, once given
 
 
 def _prepare_for_compile() -> None:
-    """Once the compiler is loaded: the eager serve, and torch.compile's module class."""
-    global _eager_serve, _compiled_type
+    """Once the compiler is loaded: the eager serve, torch.compile's module class, and
+    whether this torch can run compiled code in replicas."""
+    global _eager_serve, _compiled_type, _compiles
     if torch_internals.compiler_in_use():
         _eager_serve = torch.compiler.disable(_serve_outside_graph)
         _compiled_type = torch_internals.compiled_module_type()
+        _compiles = torch_internals.compiles_in_replicas()
+
+
+def eager_if_uncompilable(fn):
+    """``fn`` itself, or the function ``torch.compile`` wrapped into it where this torch
+    cannot run compiled code in replicas (said once, in a warning): there a compiled
+    replica would recompile on every run, or (torch 2.4) fail or read one run's
+    parameters for good. Called with each run's function and each module call."""
+    if _compiles is not False:
+        return fn
+    if _compiled_type is not None and type(fn) is _compiled_type:
+        original = torch_internals.compiled_original(fn)
+    else:
+        original = torch_internals.compiled_function_original(fn)
+    if original is None:
+        return fn
+    if not _WARNED_EAGER:
+        _WARNED_EAGER.append(True)
+        since = ".".join(map(str, torch_internals.COMPILED_REPLICAS_SINCE))
+        warnings.warn(
+            f"torch.compile'd code runs eagerly in csrun's replicas with torch "
+            f"{torch.__version__}: compiled replicas need torch {since} or newer (with "
+            "torch._dynamo.config.inline_inbuilt_nn_modules on, its default); results "
+            "are eager mode's", RuntimeWarning, stacklevel=3)
+    return original
+
+
+def _refuse_nested_compile(module: torch.nn.Module) -> None:
+    """torch.compile traces a module inside a replica where it cannot (a compiled
+    function called by the run's function): refused, rather than a graph holding one
+    run's parameters."""
+    since = ".".join(map(str, torch_internals.COMPILED_REPLICAS_SINCE))
+    raise RuntimeError(
+        f"torch.compile traced {type(module).__name__} inside a replica, which needs "
+        f"torch {since} or newer (this is {torch.__version__}); compile the model itself "
+        "(torch.compile(model)) or the function given to run, which csrun then runs "
+        "eagerly, or upgrade torch")
 
 
 # -- aggregation of buffers -------------------------------------------------------------
@@ -973,6 +1020,10 @@ def _module_call(module: torch.nn.Module, *args, **kwargs):
     elsewhere torch's runs at once (~0.4 µs a call more than torch's alone)."""
     serving = context.current_serving()
     if serving is not None:
+        if _compiles is False:  # this torch cannot run compiled code in replicas
+            if torch_internals.dynamo_tracing():
+                _refuse_nested_compile(module)
+            module = eager_if_uncompilable(module)
         store = serving.store
         params, buffers = torch_internals.tensor_dicts(module)
         if ((params and (type(params) is not ServedDict or params.store is not store))

@@ -35,13 +35,14 @@ _function_mode_depth = torch_internals.function_mode_depth  # bound: asked on ev
 def current_device() -> torch.device:
     """TF's "current device": torch's default device (the CPU unless one was set).
 
-    ``torch.get_default_device()`` costs ~10 µs; this skips it in the common case. A
-    default device, set by ``torch.set_default_device`` or ``with torch.device(...)``, is
-    always a torch function mode, so an empty mode stack means none is set.
+    Reading it costs ~10 µs; this skips it in the common case. A default device, set by
+    ``torch.set_default_device`` or ``with torch.device(...)``, is always a torch
+    function mode, so an empty mode stack means none is set
+    (:func:`~.torch_internals.default_device` says why not ``torch.get_default_device``).
     """
     if _function_mode_depth() == 0:
         return _CPU
-    return torch.get_default_device()
+    return torch_internals.default_device()
 
 
 def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:

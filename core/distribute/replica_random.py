@@ -42,6 +42,7 @@ _MASK64 = (1 << 64) - 1
 # The global CPU generator's state, as bytes to compare (twice a watched run): bound, so
 # a run pays no call of its own for it.
 global_state = torch_internals.generator_state_bytes
+_dynamo_tracing = torch_internals.dynamo_tracing
 
 
 class RunSeed:
@@ -199,7 +200,7 @@ def replica_seed(seed: int, replica_id: int) -> int:
 
 def _is_cpu(device: Any) -> bool:
     if device is None:
-        return torch.get_default_device().type == "cpu"
+        return torch_internals.default_device().type == "cpu"
     return torch.device(device).type == "cpu"
 
 
@@ -364,7 +365,8 @@ class ReplicaRandom(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # not while dynamo traces: the state checks would break its graphs into fragments
-        if self.diagnose and not torch.compiler.is_compiling():
+        # (and compare real tensors inside its fake-tensor mode, an error)
+        if self.diagnose and not _dynamo_tracing():
             return self._watched(func, args, kwargs)
         return self._call(func, args, kwargs)
 

@@ -24,12 +24,17 @@ the gradients into the central ``.grad`` in replica order).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
+import numbers
 import warnings
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from typing import Any, Callable, Sequence
 
 import torch
+
+from . import torch_internals
 
 __all__ = ["split_sizes", "scatter", "gather", "to_device"]
 
@@ -44,26 +49,45 @@ def split_sizes(size: int, count: int) -> list[int]:
     return [base + 1 if r < extra else base for r in range(count)]
 
 
+# A keyword argument that is the whole batch's count, not per example: Hugging Face's
+# models divide their summed loss by it (gradient accumulation across batches and
+# devices). Every replica gets it whole; the gathered loss is then the replicas' sum.
+WHOLE_BATCH_KWARGS = ("num_items_in_batch",)
+
+
 def scatter(args: tuple, kwargs: dict, devices: list[torch.device], dim: int,
             sizes: Callable[[int], Sequence[int]] | None = None
             ) -> tuple[list, list, list[int]]:
     """Each replica's args and kwargs, and how many examples each got (the split of the
-    first tensor found, args before kwargs). Every part is on its replica's device.
+    first tensor found, args before kwargs). Every part is on its replica's device;
+    ``num_items_in_batch`` goes to every replica whole.
 
     ``sizes(n)``: each replica's part of ``n`` along ``dim`` (default
     :func:`split_sizes`; a strategy's balancer splits by replica speed).
 
     Raises:
-      ValueError: no tensor to split, an empty batch, or a tensor without ``dim``.
+      ValueError: no tensor to split, an empty batch, a tensor without ``dim``, or
+        tensors whose sizes along ``dim`` differ (naming them).
     """
-    counts: list[int] = []
     rule = sizes if sizes is not None else (lambda n: split_sizes(n, len(devices)))
-    replica_args = _scatter(tuple(args), devices, dim, counts, rule)
-    replica_kwargs = _scatter(dict(kwargs), devices, dim, counts, rule)
-    if not counts:
+    split = _Split(devices, dim, rule)
+    whole = {k: v for k, v in kwargs.items() if k in WHOLE_BATCH_KWARGS and v is not None}
+    replica_args = split(tuple(args), "args")
+    replica_kwargs = split({k: v for k, v in kwargs.items() if k not in whole}, "kwargs")
+    if not split.counts:
         raise ValueError("DataParallel splits the tensors of its inputs along dim, but this "
                          "call has none; call .module(...) directly for work without a batch")
-    return replica_args, replica_kwargs, counts
+    for name, value in whole.items():
+        for r, device in enumerate(devices):
+            replica_kwargs[r][name] = to_device(value, device)
+    return replica_args, replica_kwargs, split.counts
+
+
+def whole_batch_loss(kwargs: dict) -> bool:
+    """Whether a call's model divides its loss by the whole batch's count
+    (``num_items_in_batch=``): each replica's loss is then a part of the batch's, and
+    the parts add up (:func:`gather`'s ``loss_sum``)."""
+    return any(kwargs.get(name) is not None for name in WHOLE_BATCH_KWARGS)
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -85,34 +109,49 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=device.type == "cuda")
 
 
-def _scatter(value: Any, devices: list, dim: int, counts: list, rule: Callable) -> list:
-    count = len(devices)
-    if isinstance(value, torch.Tensor):
-        return _split(value, devices, dim, counts, rule)
-    if isinstance(value, Mapping):
-        columns = {k: _scatter(v, devices, dim, counts, rule) for k, v in value.items()}
-        return [_rebuild_mapping(value, {k: c[r] for k, c in columns.items()})
-                for r in range(count)]
-    if isinstance(value, (tuple, list)):
-        columns = [_scatter(v, devices, dim, counts, rule) for v in value]
-        return [_rebuild_sequence(value, [c[r] for c in columns]) for r in range(count)]
-    return [value] * count
+class _Split:
+    """Splits every tensor of a call's inputs along ``dim`` into the same parts: the
+    first one found sets them (``counts``, by ``rule``), any other batch size is refused."""
 
+    def __init__(self, devices: list, dim: int, rule: Callable[[int], Sequence[int]]):
+        self.devices, self.dim, self._rule = devices, dim, rule
+        self.counts: list[int] = []
+        self._first = ""  # where the first tensor was, for the error
 
-def _split(tensor: torch.Tensor, devices: list, dim: int, counts: list,
-           rule: Callable) -> list:
-    if tensor.dim() <= dim:
-        raise ValueError(f"DataParallel splits inputs along dim={dim}, but got a tensor of "
-                         f"shape {tuple(tensor.shape)}; pass per-batch tensors (a value the "
-                         "same for every example can go as a Python number)")
-    size = tensor.shape[dim]
-    if size == 0:
-        raise ValueError(f"DataParallel got an empty batch (a tensor of shape "
-                         f"{tuple(tensor.shape)}, 0 along dim={dim})")
-    sizes = list(rule(size))
-    if not counts:
-        counts.extend(sizes)
-    return [_moved(part, device) for part, device in zip(tensor.split(sizes, dim), devices)]
+    def __call__(self, value: Any, path: str) -> list:
+        count = len(self.devices)
+        if isinstance(value, torch.Tensor):
+            return self._split(value, path)
+        if isinstance(value, Mapping):
+            columns = {k: self(v, f"{path}[{k!r}]") for k, v in value.items()}
+            return [_rebuild_mapping(value, {k: c[r] for k, c in columns.items()})
+                    for r in range(count)]
+        if isinstance(value, (tuple, list)):
+            columns = [self(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return [_rebuild_sequence(value, [c[r] for c in columns]) for r in range(count)]
+        return [value] * count
+
+    def _split(self, tensor: torch.Tensor, path: str) -> list:
+        dim = self.dim
+        if tensor.dim() <= dim:
+            raise ValueError(f"DataParallel splits inputs along dim={dim}, but {path} is a "
+                             f"tensor of shape {tuple(tensor.shape)}; pass per-batch tensors "
+                             "(a value the same for every example can go as a Python number)")
+        size = tensor.shape[dim]
+        if size == 0:
+            raise ValueError(f"DataParallel got an empty batch ({path}: a tensor of shape "
+                             f"{tuple(tensor.shape)}, 0 along dim={dim})")
+        if not self.counts:
+            self.counts.extend(self._rule(size))
+            self._first = path
+        elif size != sum(self.counts):
+            raise ValueError(
+                f"DataParallel splits every input tensor along dim={dim} into the same "
+                f"parts, but the inputs' batch sizes differ: {self._first} has "
+                f"{sum(self.counts)} along dim {dim}, {path} has {size}; pass tensors of "
+                "one batch (a value the same for every example can go as a Python number)")
+        return [_moved(part, device)
+                for part, device in zip(tensor.split(self.counts, dim), self.devices)]
 
 
 def _rebuild_mapping(like: Mapping, items: dict) -> Mapping:
@@ -143,14 +182,16 @@ class _Plan:
     """The gathered tensors of one call and, for the backward, where they came from."""
 
     def __init__(self, counts: list[int], device: torch.device, dim: int,
-                 run_backward: Callable[[list], None]):
+                 run_backward: Callable[[list], None], loss_sum: bool = False):
         self.counts = counts
         self.device = device
         self.dim = dim
         self.run_backward = run_backward  # (each replica's (tensors, grads)) -> None
         self.positions: list[_Position] = []
         total = sum(counts)
-        self.weights = [n / total for n in counts]
+        # a replica's loss weighs its share of the examples (the mean of its examples'
+        # losses), or 1 (a part of the whole batch's: its sum over the batch's count)
+        self.weights = [float(n > 0) if loss_sum else n / total for n in counts]
 
     def add(self, tensors: list, name: Any) -> int:
         if tensors[0].dim() > 0:
@@ -172,7 +213,7 @@ class _Plan:
         if position.how == "stack":
             return torch.stack(moved)
         # a replica without examples has a loss of nothing (often nan): weight 0, left out
-        parts = [t * w for t, w in zip(moved, self.weights) if w > 0]
+        parts = [t if w == 1 else t * w for t, w in zip(moved, self.weights) if w > 0]
         return torch.stack(parts).sum(0)
 
     def backward(self, grads: tuple) -> None:
@@ -223,12 +264,18 @@ class _Gather(torch.autograd.Function):
 
 
 def gather(outputs: list, counts: list[int], device: torch.device, dim: int,
-           run_backward: Callable[[list], None]) -> Any:
+           run_backward: Callable[[list], None], loss_sum: bool = False) -> Any:
     """The replicas' ``outputs`` (same structure each) as one, on ``device``.
 
     ``run_backward(pairs)`` backpropagates ``pairs[r] = (tensors, grads)`` on replica r.
+    ``loss_sum``: each replica's ``loss`` is its part of the batch's (summed over its
+    examples, divided by the whole batch's count): they are added, not averaged.
+
+    Raises:
+      TypeError: an output it cannot gather (a generator or iterator, replicas' outputs
+        of different kinds, an object whose plain attributes differ), naming its type.
     """
-    plan = _Plan(counts, device, dim, run_backward)
+    plan = _Plan(counts, device, dim, run_backward, loss_sum)
     skeleton = _collect(outputs, plan, None)
     if not plan.positions:
         return skeleton(())
@@ -243,9 +290,19 @@ def gather(outputs: list, counts: list[int], device: torch.device, dim: int,
     return skeleton(values)
 
 
-def _collect(outputs: list, plan: _Plan, name: Any) -> Callable[[tuple], Any]:
+# Values returned once when every replica returned an equal one, else as the list of
+# theirs (at the top of an output; inside an object they must agree, see _collect_plain).
+_PLAIN = (type(None), bool, numbers.Number, str, bytes, enum.Enum, torch.dtype,
+          torch.device)
+# How deep objects nest inside objects before gathering gives up (a cycle, say).
+_OBJECT_DEPTH = 8
+
+
+def _collect(outputs: list, plan: _Plan, name: Any, within: str | None = None,
+             depth: int = 0) -> Callable[[tuple], Any]:
     """Register the tensors of ``outputs`` (one per replica) with ``plan``; return the
-    function that builds the gathered structure from the gathered tensors."""
+    function that builds the gathered structure from the gathered tensors. ``within``:
+    the object attribute being gathered (then plain values must agree)."""
     first = outputs[0]
     _check_same_kind(outputs)
     if isinstance(first, torch.Tensor):
@@ -253,18 +310,98 @@ def _collect(outputs: list, plan: _Plan, name: Any) -> Callable[[tuple], Any]:
         return lambda values: values[index]
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         fields = [f.name for f in dataclasses.fields(first) if f.init]
-        parts = {f: _collect([getattr(o, f) for o in outputs], plan, f) for f in fields}
+        parts = {f: _collect([getattr(o, f) for o in outputs], plan, f, within, depth)
+                 for f in fields}
         return lambda values: dataclasses.replace(
             first, **{f: build(values) for f, build in parts.items()})
     if isinstance(first, Mapping):
-        parts = {k: _collect([o[k] for o in outputs], plan, k) for k in first}
+        parts = {k: _collect([o[k] for o in outputs], plan, k, within, depth) for k in first}
         return lambda values: _rebuild_mapping(
             first, {k: build(values) for k, build in parts.items()})
     if isinstance(first, (tuple, list)):
-        parts = [_collect([o[i] for o in outputs], plan, None) for i in range(len(first))]
+        parts = [_collect([o[i] for o in outputs], plan, None, within, depth)
+                 for i in range(len(first))]
         return lambda values: _rebuild_sequence(first, [build(values) for build in parts])
-    value = first if all(_same(o, first) for o in outputs) else list(outputs)
-    return lambda values: value
+    if isinstance(first, _PLAIN):
+        return _collect_plain(outputs, plan, within)
+    return _collect_object(outputs, plan, within, depth)
+
+
+def _collect_plain(outputs: list, plan: _Plan, within: str | None) -> Callable:
+    """A plain value: once when the replicas agree; else their list (a device inside
+    an object: the output device, where its tensors are gathered)."""
+    first = outputs[0]
+    if all(_same(o, first) for o in outputs):
+        return lambda values: first
+    if within is None:
+        value = list(outputs)
+        return lambda values: value
+    if all(isinstance(o, torch.device) for o in outputs):
+        return lambda values: plan.device
+    raise TypeError(f"DataParallel gathers an object's attributes, but {within} differs "
+                    f"between replicas ({', '.join(repr(o) for o in outputs)}); return "
+                    "tensors, or values that every replica agrees on")
+
+
+def _collect_object(outputs: list, plan: _Plan, within: str | None,
+                    depth: int) -> Callable:
+    """An object of another class: a generator refused (its tensors would be made on
+    the caller, after the run, outside the gather and the backward); a class torch's
+    pytree knows, or one with attributes (Hugging Face's caches: ``DynamicCache`` and
+    its layers), gathered as its type; one equal in every replica returned once."""
+    first, kind = outputs[0], type(outputs[0]).__name__
+    if isinstance(first, (Iterator, AsyncIterator, Awaitable)):
+        raise TypeError(f"DataParallel cannot gather the {kind} the module returned: its "
+                        "values would be made after the replicas' run, outside the gather "
+                        "and the backward; return a tuple or list (e.g. tuple(...) of it)")
+    if all(o is first for o in outputs):
+        return lambda values: first
+    if depth >= _OBJECT_DEPTH:
+        raise TypeError(f"DataParallel cannot gather {within or kind}: objects nest more "
+                        f"than {_OBJECT_DEPTH} deep in it (a cycle?)")
+    if torch_internals.pytree_node(type(first)):
+        return _collect_pytree(outputs, plan, within, depth)
+    if hasattr(first, "__dict__"):
+        return _collect_attributes(outputs, plan, within, depth)
+    if all(_same(o, first) for o in outputs):
+        return lambda values: first
+    raise TypeError(f"DataParallel cannot gather the {kind} the module returned (no "
+                    "tensors, tuples, lists, dicts, dataclasses or attributes to gather "
+                    "through, and the replicas' differ); return tensors, or register "
+                    "the class with torch.utils._pytree.register_pytree_node")
+
+
+def _collect_pytree(outputs: list, plan: _Plan, within: str | None,
+                    depth: int) -> Callable:
+    flat = [torch_internals.pytree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise TypeError(f"DataParallel's replicas returned {type(outputs[0]).__name__}s of "
+                        "different structures; every replica must return the same")
+    label = within or type(outputs[0]).__name__
+    parts = [_collect([leaves[i] for leaves, _ in flat], plan, None, f"{label} leaf {i}",
+                      depth + 1) for i in range(len(flat[0][0]))]
+    return lambda values: torch_internals.pytree_unflatten(
+        [build(values) for build in parts], spec)
+
+
+def _collect_attributes(outputs: list, plan: _Plan, within: str | None,
+                        depth: int) -> Callable:
+    """Replica 0's object, copied, each attribute gathered (tensors concatenated along
+    ``dim``, containers and objects through, plain values agreed on)."""
+    first, kind = outputs[0], type(outputs[0]).__name__
+    names = list(vars(first))
+    if any(list(vars(o)) != names for o in outputs):
+        raise TypeError(f"DataParallel's replicas returned {kind}s with different "
+                        "attributes; every replica must return the same structure")
+    parts = {n: _collect([vars(o)[n] for o in outputs], plan, n,
+                         f"{within or kind}.{n}", depth + 1) for n in names}
+
+    def build(values):
+        gathered = copy.copy(first)
+        vars(gathered).update({n: part(values) for n, part in parts.items()})
+        return gathered
+    return build
 
 
 def _same(a: Any, b: Any) -> bool:

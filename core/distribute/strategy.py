@@ -26,7 +26,7 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext, place_values)
-from .parameters import ParameterStore, serve_while
+from .parameters import ParameterStore, eager_if_uncompilable, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
@@ -523,6 +523,7 @@ class ParameterServerStrategyExtended:
         # The hot path of every step: an empty run's cost is all Python bookkeeping here.
         count = self._num_local_replicas
         servings = self._store.begin_run(reads)
+        fn = eager_if_uncompilable(fn)  # (where this torch cannot compile in replicas)
         policy = self._policy
         streams = self._replica_streams()
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)

@@ -20,11 +20,13 @@ import ctypes
 import operator
 import os
 import sys
+import warnings
 from typing import Callable
 
 import torch
 import torch.utils._pytree as _pytree
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._device import DeviceContext as _DeviceContext
 
 __all__ = [
     "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
@@ -32,10 +34,13 @@ __all__ = [
     "route_module_calls", "restore_module_calls", "compiled_module_type", "compiled_original",
     "has_post_accumulate_grad_hook", "grad_hooks", "route_hook_registration",
     "restore_hook_registration", "current_backward_id", "queue_backward_callback",
-    "foreach_add_", "pytree_leaves", "compiler_in_use", "is_batch_norm",
+    "foreach_add_", "pytree_leaves", "pytree_node", "pytree_flatten", "pytree_unflatten",
+    "compiler_in_use", "dynamo_tracing", "compiler_inlines_modules",
+    "compiled_function_original", "COMPILED_REPLICAS_SINCE", "compiles_in_replicas",
+    "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
-    "function_modes",
+    "function_modes", "default_device", "register_state_dict_hooks",
     "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
 ]
 
@@ -55,6 +60,50 @@ set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
 # (torch.set_default_device, ``with torch.device(...)``) is always one, so 0 means none:
 # torch.get_default_device() costs ~10 µs and is asked on every reduce.
 function_mode_depth: Callable[[], int] = torch._C._len_torch_function_stack
+
+
+def default_device() -> torch.device:
+    """The device factory functions allocate on when none is given: the innermost
+    ``with torch.device(...)``, else ``torch.set_default_device``'s, else the CPU.
+
+    ``torch.get_default_device()`` does not say so on every release csrun supports: it
+    raises ``AttributeError`` after ``set_default_device(x)`` then
+    ``set_default_device(None)`` (2.4 to 2.9 seen) and ignores ``with torch.device(...)``
+    (2.4 and 2.6 seen; 2.11 and up answer right).
+    Both are torch function modes (``DeviceContext``) on this thread's mode stack, the
+    one thing every release agrees on; the global one is also kept in a thread-local
+    that other threads read (torch's own later logic, done here for every release)."""
+    for mode in reversed(function_modes()):
+        if isinstance(mode, _DeviceContext):
+            return _with_index(mode.device)
+    held = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    if held is not None:
+        return _with_index(held.device)
+    return torch.device("cpu")
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, as torch answers (CPU and meta have no index)."""
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    return torch.empty(0, device=device).device
+
+
+def register_state_dict_hooks(module: torch.nn.Module, save: Callable,
+                              load_pre: Callable) -> None:
+    """``save(module, state_dict, prefix, local_metadata)`` after ``module.state_dict()``
+    fills its entries, ``load_pre(module, state_dict, prefix, local_metadata, strict,
+    missing_keys, unexpected_keys, error_msgs)`` before ``load_state_dict`` reads them.
+    torch made both public in 2.5 (``register_state_dict_post_hook``,
+    ``register_load_state_dict_pre_hook``); before, the same hooks are private."""
+    if hasattr(module, "register_state_dict_post_hook"):
+        module.register_state_dict_post_hook(save)
+    else:  # torch < 2.5: same call, same signature
+        module._register_state_dict_hook(save)
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        module.register_load_state_dict_pre_hook(load_pre)
+    else:  # with_module=True: called with the module first, as the public one is
+        module._register_load_state_dict_pre_hook(load_pre, with_module=True)
 
 
 # -- a module's parameter and buffer dicts --------------------------------------------------
@@ -204,6 +253,18 @@ foreach_add_: Callable[[list, list], None] = torch._foreach_add_
 pytree_leaves: Callable = _pytree.tree_leaves
 
 
+def pytree_node(cls: type) -> bool:
+    """Whether torch's pytree knows how to take ``cls`` apart and put it back
+    (``register_pytree_node``): DataParallel gathers such an output as its type."""
+    return cls in _pytree.SUPPORTED_NODES
+
+
+# ``tree_flatten(value) -> (leaves, spec)`` and ``tree_unflatten(leaves, spec)``: the
+# same pytree, its leaves replaced (specs compare equal when the structures are).
+pytree_flatten: Callable = _pytree.tree_flatten
+pytree_unflatten: Callable = _pytree.tree_unflatten
+
+
 def compiler_in_use() -> bool:
     """Whether torch's compiler (torch._dynamo) is loaded: ``torch.compile`` loads it
     (so does torch.optim's first optimizer). csrun wraps its compiled-read fallback in
@@ -211,6 +272,49 @@ def compiler_in_use() -> bool:
     process-wide state (an environment variable, warning filters), which importing csrun
     must not take."""
     return "torch._dynamo" in sys.modules
+
+
+def dynamo_tracing() -> bool:
+    """Whether this thread is inside ``torch.compile``'s tracing: in the code it traces
+    (``torch.compiler.is_compiling()``) or in its runs of that code on fake tensors,
+    which is_compiling() does not report (torch 2.4 runs built-in modules on fake
+    copies there). csrun's checks that compare real tensors must not run then."""
+    if torch.compiler.is_compiling():
+        return True
+    return compiler_in_use() and torch._guards.TracingContext.try_get() is not None
+
+
+def compiler_inlines_modules() -> bool:
+    """Whether ``torch.compile`` traces into ``nn.Module`` calls, reading parameters
+    where the module's code reads them (``torch._dynamo.config.inline_inbuilt_nn_modules``:
+    the default from torch 2.5, always on from 2.13, which warns when it is read). Only
+    then do compiled replicas read csrun's served parameters: otherwise dynamo keeps
+    built-in modules as opaque calls and AOT autograd lifts the parameters it found when
+    compiling into the graph, one replica's leaves of one run, for good."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None:
+        return True  # nothing compiled yet: the question does not arise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return bool(getattr(config, "inline_inbuilt_nn_modules", True))
+
+
+# The first torch release whose compiled replicas read csrun's served parameters into
+# their graphs with a bounded number of graphs, results equal to eager (test_compile.py
+# and benchmarks/torch_versions.py, on 2.11 and up): before, dynamo guards on the
+# parameters read, and every run recompiles (2.4 through 2.9 seen) until the limit.
+COMPILED_REPLICAS_SINCE = (2, 11)
+
+
+def compiles_in_replicas() -> bool:
+    """Whether ``torch.compile``'d code can run in csrun's replicas on this torch."""
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return release >= COMPILED_REPLICAS_SINCE and compiler_inlines_modules()
+
+
+def compiled_function_original(fn: Callable) -> Callable | None:
+    """The function that ``torch.compile(fn)`` wrapped, None for any other callable."""
+    return getattr(fn, "_torchdynamo_orig_callable", None)
 
 
 # -- BatchNorm --------------------------------------------------------------------------

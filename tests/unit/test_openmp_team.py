@@ -57,6 +57,10 @@ def ctrl_c_raises():
 
 
 @needs_team
+@pytest.mark.xfail(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+                   < (2, 5), strict=True,
+                   reason="torch 2.4's own libgomp ends one idle team thread and starts "
+                          "another at each run (the replicas still run as the team)")
 def test_replicas_run_as_the_team_and_add_no_thread(two_threads):
     strategy = _strategy()
     torch.ones(1 << 18).sum()  # the caller's team exists, as after any torch op

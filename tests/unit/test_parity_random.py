@@ -141,6 +141,8 @@ def _train(strategy, reentrant, p=0.5, batch_norm=False, late=False):
 def test_checkpointing_recomputes_each_replicas_dropout_masks(reentrant, execution):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to replicas in order
+        # (torch 2.4's checkpoint calls its own deprecated torch.cpu.amp.autocast)
+        warnings.filterwarnings("ignore", r"`torch\.cpu\.amp\.autocast", FutureWarning)
         plain = _train(_strategy(2, execution=execution), None)
         strategy = _strategy(2, execution=execution)
         checkpointed = _train(strategy, reentrant)

@@ -180,6 +180,9 @@ def test_each_metrics_record_counts_its_own_steps_correct_predictions(tmp_path):
         [e.accuracy for e in events if isinstance(e, StepLog)]
 
 
+# process: matplotlib's first use where it has no font cache yet (a fresh environment,
+# CI) builds one, which runs fc-list as a child process
+@pytest.mark.process
 @pytest.mark.skipif(not plot_available(), reason="matplotlib (csrun[plot]) not installed")
 def test_plot_is_written(tmp_path):
     run(outputs=Outputs(plot=str(tmp_path / "loss.png")))

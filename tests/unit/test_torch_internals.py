@@ -445,6 +445,107 @@ def test_function_modes_lists_this_threads_modes_and_none_in_a_backward():
         assert seen == [[mode], []]
 
 
+def _devices_seen_on_a_thread() -> tuple:
+    """What another thread reads, and where its factory functions allocate."""
+    seen = []
+    thread = threading.Thread(
+        target=lambda: seen.append((ti.default_device(), torch.empty(0).device)))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_default_device_follows_every_way_of_setting_it():
+    # torch.get_default_device() raised AttributeError after set(x), set(None) and ignored
+    # `with torch.device(...)` on older releases (2.4 both): csrun asks this instead
+    with relied_on("default_device"):
+        assert ti.default_device() == torch.device("cpu")
+        with torch.device("meta"):
+            assert ti.default_device() == torch.device("meta")
+            with torch.device("cpu"):  # the innermost wins
+                assert ti.default_device() == torch.device("cpu")
+            assert ti.default_device() == torch.device("meta")
+        try:
+            torch.set_default_device("meta")
+            assert ti.default_device() == torch.device("meta") == torch.empty(0).device
+            with torch.device("cpu"):
+                assert ti.default_device() == torch.device("cpu") == torch.empty(0).device
+            read, allocated = _devices_seen_on_a_thread()  # (thread-local on some releases)
+            assert read == allocated
+        finally:
+            torch.set_default_device(None)
+        assert ti.default_device() == torch.device("cpu") == torch.empty(0).device
+
+
+def test_default_device_agrees_with_what_a_factory_function_allocates_on():
+    with relied_on("default_device"):
+        for enter in (lambda: torch.device("meta"), contextlib.nullcontext):
+            with enter():
+                assert ti.default_device() == torch.empty(0).device
+
+
+def test_state_dict_hooks_run_with_the_module_and_torchs_arguments():
+    calls = []
+
+    def save(module, state, prefix, local_metadata):
+        calls.append(("save", module, prefix))
+        state[prefix + "weight"] = torch.full_like(state[prefix + "weight"], 7.0)
+
+    def load_pre(module, state, prefix, local_metadata, strict, missing, unexpected, errors):
+        calls.append(("load", module, prefix, strict))
+        state[prefix + "weight"] = state[prefix + "weight"] * 2
+
+    with relied_on("register_state_dict_hooks"):
+        inner = nn.Linear(2, 2)
+        ti.register_state_dict_hooks(inner, save, load_pre)
+        outer = nn.Sequential(inner)
+        state = outer.state_dict()
+        assert torch.equal(state["0.weight"], torch.full((2, 2), 7.0))
+        outer.load_state_dict(state)
+        assert torch.equal(inner.weight.detach(), torch.full((2, 2), 14.0))
+        assert calls == [("save", inner, "0."), ("load", inner, "0.", True)]
+
+
+class _Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+def test_pytree_node_flatten_and_unflatten():
+    import torch.utils._pytree as pytree
+    with relied_on("pytree_node / pytree_flatten / pytree_unflatten"):
+        assert ti.pytree_node(dict) and not ti.pytree_node(_Pair)
+        pytree.register_pytree_node(_Pair, lambda p: ([p.a, p.b], None),
+                                    lambda children, _: _Pair(*children))
+        try:
+            assert ti.pytree_node(_Pair)
+            leaves, spec = ti.pytree_flatten(_Pair(torch.ones(1), [torch.zeros(2)]))
+            assert [t.tolist() for t in leaves] == [[1.0], [0.0, 0.0]]
+            again = ti.pytree_unflatten([t + 1 for t in leaves], spec)
+            assert type(again) is _Pair and again.b[0].tolist() == [1.0, 1.0]
+        finally:
+            pytree.SUPPORTED_NODES.pop(_Pair, None)
+
+
+def test_dynamo_tracing_and_the_compiled_function():
+    with relied_on("dynamo_tracing / compiled_function_original"):
+        assert ti.dynamo_tracing() is False
+
+        def probe(x):
+            return x + 1, ti.dynamo_tracing()
+        compiled = torch.compile(probe, backend="eager")
+        assert compiled(torch.ones(1))[1] is True
+        assert ti.compiled_function_original(compiled) is probe
+        assert ti.compiled_function_original(probe) is None
+
+
+def test_compiles_in_replicas_from_its_release():
+    with relied_on("compiles_in_replicas"):
+        release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        assert ti.compiles_in_replicas() == (release >= ti.COMPILED_REPLICAS_SINCE)
+        assert isinstance(ti.compiler_inlines_modules(), bool)
+
+
 def test_uses_openmp_reads_torchs_report():
     with relied_on("uses_openmp"):
         lines = [line for line in torch.__config__.parallel_info().splitlines()

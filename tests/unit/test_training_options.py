@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from csrun.core.config.problems import ConfigError
+from csrun.core.distribute import torch_internals
 from csrun.core.runner import replica_step
 from csrun.core.runner.events import Evaluated
 from csrun.core.runner.export import export_safetensors
@@ -194,6 +195,9 @@ def test_a_run_exports_its_final_weights(tmp_path):
 
 
 # -- compile -----------------------------------------------------------------------------
+COMPILES = torch_internals.compiles_in_replicas()
+
+
 def test_compile_trains_like_eager(monkeypatch):
     from torch._dynamo.testing import CompileCounter
     counter = CompileCounter()
@@ -202,21 +206,28 @@ def test_compile_trains_like_eager(monkeypatch):
     torch._dynamo.reset()
     compiled = fitted("train.compile=true", "train.steps=4")
     eager = fitted("train.steps=4")
-    assert counter.frame_count >= 1  # the replicas called the compiled model
+    # the replicas called the compiled model; below the release that can, they ran the
+    # model eagerly (one warning)
+    assert counter.frame_count >= 1 if COMPILES else counter.frame_count == 0
     assert compiled.state.curve.points() == pytest.approx(eager.state.curve.points(), rel=1e-4)
 
 
-@pytest.mark.parametrize("steps", [6, 12])
-def test_compile_does_not_recompile_per_step(monkeypatch, steps):
+@pytest.mark.skipif(not COMPILES, reason="this torch runs compiled replicas eagerly")
+def test_compile_does_not_recompile_per_step(monkeypatch):
     """The graphs of a 2-replica run are made in its first runs (the probe's eager read
     included): as many for 12 steps as for 6, none per step."""
     from torch._dynamo.testing import CompileCounter
-    counter = CompileCounter()
-    monkeypatch.setattr(replica_step, "compiled",
-                        lambda model: torch.compile(model, backend=counter))
-    torch._dynamo.reset()
-    fitted("train.compile=true", f"train.steps={steps}", "dataset.steps.1.drop_remainder=true")
-    assert 1 <= counter.frame_count <= 4  # at most 2 a replica, whatever the step count
+    counts = []
+    for steps in (6, 12):
+        counter = CompileCounter()
+        monkeypatch.setattr(replica_step, "compiled",
+                            lambda model: torch.compile(model, backend=counter))
+        torch._dynamo.reset()
+        fitted("train.compile=true", f"train.steps={steps}",
+               "dataset.steps.1.drop_remainder=true")
+        counts.append(counter.frame_count)
+    # a few a replica (4 in all on torch 2.13, 5 on 2.11), whatever the step count
+    assert counts[0] == counts[1] and 1 <= counts[0] <= 6, counts
 
 
 class _CountingSGD(torch.optim.SGD):
