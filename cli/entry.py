@@ -47,7 +47,8 @@ def _leave(code: int) -> None:
     the user's code that is not a daemon (a Dataset's prefetcher), which Python would
     wait for forever, is left behind, after the exit handlers ran, with a note; so is a
     call into torch's C++ that a cluster task gave up on (see
-    :func:`csrun.core.cluster.transport.calls_running`). (A signal during the exit
+    :func:`csrun.core.cluster.transport.calls_running`), and a final evaluation that a
+    signal interrupted (:func:`csrun.core.runner.evaluation.abandoned`). (A signal during the exit
     handlers, torch's or the loaders', printed a traceback.)"""
     for signum in _CODES:
         signal.signal(signum, lambda signum, frame: os._exit(code))
@@ -56,7 +57,9 @@ def _leave(code: int) -> None:
     stranded = [t for t in threading.enumerate()
                 if t is not main and not t.daemon and t.is_alive()]
     transport = sys.modules.get("csrun.core.cluster.transport")  # loaded by a cluster task
-    if not stranded and not (transport and transport.calls_running()):
+    evaluation = sys.modules.get("csrun.core.runner.evaluation")  # loaded by a run
+    if not stranded and not (transport and transport.calls_running()) and \
+            not (evaluation and evaluation.abandoned()):
         return  # Python's own exit
     if stranded:  # the user's code ran, so csrun.core is loaded already
         from csrun.core.config.problems import printable

@@ -507,6 +507,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         return lost
 
     def colocate_vars_with(self, colocate_with_variable: Any):
+        self.check_colocation_target(colocate_with_variable)  # TF's ValueError/RuntimeError
         return _Colocation(self._store, colocate_with_variable)
 
 

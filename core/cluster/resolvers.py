@@ -21,6 +21,7 @@ import json
 import os
 from typing import Mapping
 
+from ..config import strict_json
 from ..config.addresses import is_address
 
 __all__ = ["ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
@@ -141,7 +142,7 @@ def parse_tf_config(text: str) -> TFConfig | None:
     if not text.strip():
         return None
     try:
-        config = json.loads(text)
+        config = strict_json.loads(text)  # a key given twice is an error, not the last
     except json.JSONDecodeError as exc:
         raise _error(f"TF_CONFIG is not valid JSON ({exc.msg} at line {exc.lineno} column "
                      f"{exc.colno})", hint=TF_CONFIG_SHAPE) from None

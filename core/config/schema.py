@@ -50,6 +50,44 @@ def _int64(value: int) -> int:
 Int64 = Annotated[int, AfterValidator(_int64)]
 
 
+def _within(low: float | None, high: float, unit: str, why: str,
+            why_low: str = "") -> AfterValidator:
+    """A bound past which a number cannot be held by the code that takes it (a C int of
+    milliseconds, an 8-bit device index, a buffer made of it), with that reason in the
+    message: found by ``validate``, not as an ``OverflowError`` deep inside ``train``."""
+    def check(value):
+        if low is not None and value < low:
+            raise ValueError(f"{_shown(value)}{unit} is less than {_shown(low)}{unit}, the "
+                             f"least it can be: {why_low}")
+        if value > high:
+            raise ValueError(f"{_shown(value)}{unit} is more than {_shown(high)}{unit}, the "
+                             f"most it can be: {why}")
+        return value
+    return AfterValidator(check)
+
+
+def _shown(number: float) -> str:
+    if isinstance(number, int):
+        return f"{number:,}"
+    return f"{number:,.0f}" if float(number).is_integer() and abs(number) < 1e16 else \
+        f"{number:g}"
+
+
+# torch's store and gloo count a wait in milliseconds, in C ints (2**31 - 1 ms is 24.8
+# days), and a task waits up to twice this plus 5 s; under 1 ms is 0 ms: no wait at all
+TIMEOUT_S = (0.001, 1_000_000.0)
+# a deque of the last 3 log windows' losses judges divergence, checkpointed at its full
+# size: a window of 10**18 steps could not be made, one of 10**9 would take 24 GB
+MAX_LOG_EVERY = 1_000_000
+MAX_GPUS = 128  # torch numbers a machine's devices in 8 bits: cuda:128 is cuda:-128
+MAX_PREFETCH = 1024  # batches held read ahead; the DataLoader queues prefetch x workers
+# a range source's examples are float32, which holds every integer only up to 2**24
+# (range(2**63 - 99, 2**63 - 1) was 0 examples, range(2**24, 2**24 + 10) repeated some)
+_FLOAT32_INTEGER = _within(-2**24, 2**24, "", "the examples are float32, exact for integers "
+                           "up to 2**24", "the examples are float32, exact for integers "
+                           "down to -2**24")
+
+
 # -- strategy -----------------------------------------------------------------------------
 _COMPUTE_DEVICES = ("Devices of the replicas, one replica each, in TF or torch spelling "
                     "(`CPU:0`, `/gpu:1`, `cuda:0`). Logical CPUs `CPU:0`, `CPU:1`, ... are "
@@ -164,7 +202,8 @@ class ParameterServerConfig(_Section):
         "workers (the first the chief); the cluster then comes from the launcher's "
         "variables, without `TF_CONFIG`. With a cluster from `strategy.cluster` or "
         "`TF_CONFIG`, it must match its ps count. See docs/parameter-server.md.")
-    num_gpus_per_worker: Int64 = Field(
+    num_gpus_per_worker: Annotated[Int64, _within(
+        None, MAX_GPUS, "", "torch numbers a machine's GPUs in 8 bits")] = Field(
         0, ge=0, description="Local GPUs each worker replicates over (`GPU:0` ... ); 0: "
         "one replica on `CPU:0`. Leave it 0 when `compute_devices` names the replicas.")
     compute_devices: list[str] | None = Field(
@@ -185,14 +224,18 @@ class ParameterServerConfig(_Section):
         "by rows: a worker fetches only the rows its batch looks up and pushes only those "
         "rows' gradients. false: every table is served whole (pushed and pulled in full "
         "each step), for a model that reads a table's weight other than by lookups.")
-    timeout_s: float = Field(
+    timeout_s: Annotated[float, _within(
+        *TIMEOUT_S, " s", "torch's store and gloo count waits in milliseconds, in C ints",
+        "torch's store counts whole milliseconds: less than 1 ms is 0 ms, which times "
+        "out at once")] = Field(
         120.0, gt=0, description="Seconds a task waits for the parameter servers to come "
         "up, and for any answer of the job's store; how long the chief's heartbeat may "
         "stand still before the ps tasks and workers end the job; how long the chief, done, "
         "waits for the other workers while none pushes an update (then they count as "
         "lost); after a first Ctrl-C or "
         "SIGTERM, how long a ps keeps serving so that the chief can write its last "
-        "checkpoint.")
+        "checkpoint. From 0.001 (1 ms) to 1,000,000 (11.6 days): torch's store counts "
+        "milliseconds in C ints.")
     execution: Literal["auto", "ordered", "concurrent"] = Field(
         "auto", description=_EXECUTION + " (Within one worker.)")
     copy_parameters: bool = Field(False, description=_COPY)
@@ -212,8 +255,10 @@ class RangeSource(_Section):
     """Integers `start, start+step, ... < stop`: each example is `x = [i]`, target `[i]`."""
 
     kind: Literal["range"] = Field(description="`range`: integers, for checking pipelines.")
-    start: Int64 = Field(0, description="First integer.")
-    stop: Int64 = Field(description="End (exclusive).")
+    start: Annotated[Int64, _FLOAT32_INTEGER] = Field(0, description="First integer "
+                                                      "(within +-2**24).")
+    stop: Annotated[Int64, _FLOAT32_INTEGER] = Field(description="End (exclusive; within "
+                                                     "+-2**24).")
     step: Int64 = Field(1, description="Stride between integers (not 0).")
 
 
@@ -360,8 +405,10 @@ class PrefetchStep(_Section):
     """Read ahead while the replicas compute."""
 
     op: Literal["prefetch"] = Field(description="`prefetch`.")
-    buffer: Int64 = Field(2, gt=0, description="Steps read ahead (the distributed iterator's "
-                        "buffer, and the DataLoader's `prefetch_factor` with workers).")
+    buffer: Annotated[Int64, _within(None, MAX_PREFETCH, "", "each batch read ahead is held "
+                                     "in memory")] = Field(
+        2, gt=0, description="Steps read ahead (the distributed iterator's buffer, and the "
+        f"DataLoader's `prefetch_factor` with workers), at most {MAX_PREFETCH}.")
 
 
 StepConfig = Annotated[Union[ShuffleStep, BatchStep, RepeatStep, TakeStep, SkipStep,
@@ -576,7 +623,11 @@ class TrainConfig(_Section):
                                "Give `steps` or `epochs`.")
     seed: Int64 = Field(0, description="Seeds torch, numpy, Python's random, shuffles and "
                       "the holdout split: same seed and config, same `params_sha256`.")
-    log_every: Int64 = Field(50, gt=0, description="Steps between per-replica tables.")
+    log_every: Annotated[Int64, _within(
+        None, MAX_LOG_EVERY, "", "the last 3 windows' losses are kept (and checkpointed) "
+        "to judge divergence")] = Field(
+        50, gt=0, description="Steps between per-replica tables (a log window; at most "
+        f"{MAX_LOG_EVERY:,}: the last 3 windows' losses judge divergence).")
     divergence: float | None = Field(
         1000.0, gt=1, description="Fail the run (exit 1) when the loss ran away without "
         "becoming NaN: the mean loss of a log window (`log_every` steps) exceeds this many "

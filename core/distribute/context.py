@@ -30,6 +30,8 @@ __all__ = [
     "cross_replica_required",
     "require_cross_replica_or_default",
     "Entry",
+    "DefaultMergeEntry",
+    "in_default_replica_mode",
 ]
 
 
@@ -45,6 +47,24 @@ class Entry:
 
 
 _BOTTOM = Entry(None)
+
+
+class DefaultMergeEntry(Entry):
+    """The default strategy's cross-replica context: where the default replica context's
+    ``merge_call`` runs ``merge_fn`` (TF: ``get_replica_context()`` is None there,
+    ``in_cross_replica_context()`` True, ``has_strategy()`` False)."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        super().__init__(None)
+
+
+def in_default_replica_mode(entry: Entry | None = None) -> bool:
+    """Outside every strategy's scope and run and every ``merge_fn``: where the default
+    replica context is the replica context."""
+    entry = current_entry() if entry is None else entry
+    return entry.strategy is None and type(entry) is not DefaultMergeEntry
 
 
 class _ThreadContext(threading.local):
@@ -90,9 +110,10 @@ def has_strategy() -> bool:
 
 
 def in_cross_replica_context() -> bool:
-    """True inside a strategy's scope but not inside one of its replicas."""
+    """True inside a strategy's scope but not inside one of its replicas, and in a
+    ``merge_fn`` of the default replica context."""
     entry = current_entry()
-    return entry.strategy is not None and entry.replica is None
+    return entry.replica is None and not in_default_replica_mode(entry)
 
 
 def get_cross_replica_context():
@@ -183,6 +204,7 @@ class ReplicaContext:
         """
         op = ReduceOp.resolve(reduce_op)
         if self._run is None:
+            _default_replica_only(self, "all_reduce")
             return value
         if current_entry().replica is not self:
             self._run.refuse_outside(self._replica_id, "all_reduce")
@@ -191,6 +213,7 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` (a nest of tensors) of every replica along ``axis``."""
         if self._run is None:
+            _default_replica_only(self, "all_gather")
             return value
         if current_entry().replica is not self:
             self._run.refuse_outside(self._replica_id, "all_gather")
@@ -207,8 +230,14 @@ class ReplicaContext:
           RuntimeError: called anywhere but on the replica's own thread, in its context
             (another thread, merge_fn, after the run), as TF refuses it.
         """
-        if self._run is None:
-            return merge_fn(self.strategy, *args, **(kwargs or {}))
+        if self._run is None:  # the default replica context: merge_fn is cross-replica
+            _default_replica_only(self, "merge_call")
+            entry = DefaultMergeEntry()
+            push(entry)
+            try:
+                return merge_fn(self.strategy, *args, **(kwargs or {}))
+            finally:
+                pop(entry)
         if current_entry().replica is not self:
             self._run.refuse_outside(self._replica_id, "merge_call")
         return self._run.collectives.merge_call(self._local_id, merge_fn, args, kwargs or {})
@@ -216,3 +245,14 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def _default_replica_only(replica: ReplicaContext, method: str) -> None:
+    """TF's ``require_replica_context`` for the default replica context: it works only
+    where it is the current one, not in a strategy's scope or run, nor in a merge_fn
+    (the default one's included)."""
+    if not in_default_replica_mode():
+        raise RuntimeError(f"Need to be inside `call_for_each_replica()`: {method} of the "
+                           "default replica context works only outside every strategy's "
+                           "scope, run and merge_fn; use the replica context the code runs "
+                           "in (get_replica_context())")

@@ -37,19 +37,29 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
 
     Returns:
       A scalar: ``sum(per_example_loss * sample_weight) / global_batch_size`` (0 for an
-      empty global batch).
+      empty global batch, or a ``global_batch_size`` of 0), in the losses' dtype (float64
+      for integer losses), as TF's.
 
     Raises:
       ValueError: a scalar ``per_example_loss`` (give one loss per example), weights
-        that do not fit the losses, or a global batch size that is not a positive integer.
+        that do not fit the losses, a ``global_batch_size`` that is not a scalar (a
+        shape-[1] tensor) or is negative.
+      TypeError: a ``global_batch_size`` that is not an integer (``2.5``, ``4.0``,
+        ``True``, a float tensor), as TF's.
       RuntimeError: called without ``global_batch_size`` in cross-replica context.
     """
     loss = as_tensor(per_example_loss)
     if loss.dim() == 0:
         raise ValueError("per_example_loss must have at least one dimension (one loss per "
                          "example); pass reduction='none' to the loss function")
+    # TF's dtype: the losses' own (weighted losses are cast back to it), float64 for
+    # integer losses (TF's division of integers); csrun casts integer losses before
+    # weighing them, where TF truncates the weighted values back to integers
+    dtype = loss.dtype if loss.is_floating_point() or loss.is_complex() else torch.float64
+    loss = loss.to(dtype)
     if sample_weight is not None:
-        loss = loss * _broadcast_weight(as_tensor(sample_weight).to(loss.device), loss)
+        weight = as_tensor(sample_weight).to(loss.device)
+        loss = (loss * _broadcast_weight(weight, loss)).to(dtype)
     total = loss.sum()
     if global_batch_size is None:
         global_batch_size = _current_global_batch_size(loss.shape[0])
@@ -80,12 +90,24 @@ def _broadcast_weight(weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 def _checked_size(size: Any) -> int:
-    value = size.item() if isinstance(size, torch.Tensor) and size.numel() == 1 else size
-    if isinstance(size, torch.Tensor) and (size.dtype.is_floating_point or size.numel() != 1):
-        raise ValueError(f"global_batch_size must be a scalar integer, got a {size.dtype} "
-                         f"tensor of shape {tuple(size.shape)}")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"global_batch_size must be a positive integer, got {size!r}")
+    """TF 2.21's checks of ``global_batch_size``, in its order: a scalar, an integer,
+    not negative (0 gives 0, TF's ``div_no_nan``)."""
+    tensor = size if isinstance(size, torch.Tensor) else None
+    if tensor is None and isinstance(size, (list, tuple)):
+        tensor = torch.as_tensor(size)
+    if tensor is not None and tensor.dim() != 0:
+        raise ValueError(f"global_batch_size must be scalar, got shape {tuple(tensor.shape)}")
+    if tensor is not None:
+        integer = not (tensor.dtype.is_floating_point or tensor.dtype.is_complex
+                       or tensor.dtype == torch.bool)
+        value = tensor.item()
+    else:
+        value = size
+        integer = isinstance(size, numbers.Integral) and not isinstance(size, bool)
+    if not integer:
+        raise TypeError(f"global_batch_size must be an integer, got {size!r:.80}")
+    if value < 0:
+        raise ValueError(f"global_batch_size must be non-negative, got {value}")
     return int(value)
 
 

@@ -344,16 +344,31 @@ def _check_not_ambiguous(op: ReduceOp, value: Any, replicas: int) -> None:
 
 def _single_value(value: Any) -> Any:
     """TF's ``_select_single_value`` for update's arguments: a variable is updated once,
-    with one value."""
+    with one value. TF takes a PerReplica's first component whatever the others hold;
+    csrun takes it when every component equals it, and refuses values that differ (the
+    others' would be dropped without a word)."""
     if isinstance(value, DistributedValues):
-        if len(value.values) != 1:
+        first, others = value.values[0], value.values[1:]
+        if any(not _same_value(first, other) for other in others):
             raise ValueError(
-                f"extended.update got a {type(value).__name__} of {len(value.values)} "
-                "components: a variable is updated once, with one value; reduce it first "
-                "(strategy.reduce or extended.reduce_to), or pass the same value from "
-                "every replica")
-        return value.values[0]
+                f"extended.update got a {type(value).__name__} whose {len(value.values)} "
+                "components differ: a variable is updated once, with one value, and TF "
+                "would take the first replica's and drop the rest; reduce it first "
+                "(strategy.reduce or extended.reduce_to), or pass one value")
+        return first
     return value
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and \
+            bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _is_zero(value: Any) -> bool:
@@ -659,12 +674,14 @@ class ParameterServerStrategyExtended:
         variable lives; its result, or with ``group=False`` a tuple of its local results.
 
         Called by every replica inside ``run`` it merges into one call (TF 2.21's
-        ``merge_call``), which each replica gets the result of: every replica must pass
-        the same values (a per-replica value is a ValueError, as in TF).
+        ``merge_call``), which each replica gets the result of. A per-replica argument
+        (here, or a PerReplica given in cross-replica context) is updated with once: its
+        value when every replica's is the same, else a ValueError (TF silently takes the
+        first replica's).
 
         Raises:
           ValueError: ``var`` is not a variable (a :class:`Variable`, a parameter, or a
-            tensor or buffer of the strategy), or an argument has several components.
+            tensor or buffer of the strategy), or an argument's components differ.
         """
         replica = context.current_entry().replica
         if replica is not None:
@@ -703,11 +720,29 @@ class ParameterServerStrategyExtended:
     def non_slot_devices(self, var_list: Any) -> tuple[str, ...]:
         return (self._parameter.name,)
 
-    @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any):
         """Variables created inside go where ``colocate_with_variable`` lives (here: all
-        variables already share the parameter device)."""
-        yield
+        variables already share the parameter device).
+
+        Raises:
+          RuntimeError: outside this strategy's scope (TF: "Need to be inside ``with
+            strategy.scope()``").
+          ValueError: ``colocate_with_variable`` is not a variable created in this
+            strategy's scope (another strategy's, a plain one, a tensor), as in TF.
+        """
+        self.check_colocation_target(colocate_with_variable)
+        return contextlib.nullcontext()
+
+    def check_colocation_target(self, var: Any) -> None:
+        """TF's checks of ``colocate_vars_with``'s argument (``_require_strategy_scope``
+        and ``distribute_utils.validate_colocate``), for this strategy and its cluster
+        subclass."""
+        if context.current_entry().strategy is not self._container:
+            raise RuntimeError(f"colocate_vars_with needs to be inside `with "
+                               f"strategy.scope()` of {self._container!r}")
+        if not self.variable_created_in_scope(var):
+            raise ValueError(f"`colocate_vars_with` must only be passed a variable created "
+                             f"in this strategy's scope, not {var!r:.120}")
 
     def read_var(self, var: Any) -> torch.Tensor:
         return var.value() if isinstance(var, Variable) else var
@@ -819,7 +854,13 @@ class _DefaultStrategy(Strategy):
         return contextlib.nullcontext(self)
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        return fn(*args, **(kwargs or {}))
+        # in the default replica context, also from a merge_fn (TF enters it there)
+        entry = context.Entry(None)
+        context.push(entry)
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            context.pop(entry)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         return dataset
@@ -847,6 +888,7 @@ def get_strategy() -> Strategy:
 
 
 def get_replica_context() -> ReplicaContext | None:
-    """The replica context, None in cross-replica context, or the default replica context."""
+    """The replica context, None in cross-replica context (a merge_fn of the default
+    replica context's included), or the default replica context."""
     entry = context.current_entry()
-    return _DEFAULT_REPLICA if entry.strategy is None else entry.replica
+    return _DEFAULT_REPLICA if context.in_default_replica_mode(entry) else entry.replica

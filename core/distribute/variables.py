@@ -40,17 +40,9 @@ class VariableAggregation(enum.Enum):
 
     @classmethod
     def resolve(cls, value: Any) -> "VariableAggregation":
-        """An aggregation from the enum, its name (any case) or its number."""
-        if isinstance(value, VariableAggregation):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        if isinstance(value, int) and not isinstance(value, bool):
-            for member in cls:
-                if member.value == value:
-                    return member
-        names = ", ".join(cls.__members__)
-        raise ValueError(f"aggregation must be a VariableAggregation ({names}), got {value!r}")
+        """An aggregation from the enum, its number (as TF takes it) or its name (any
+        case: csrun's, for configs)."""
+        return _member(cls, value, "aggregation")
 
 
 class VariableSynchronization(enum.Enum):
@@ -63,13 +55,23 @@ class VariableSynchronization(enum.Enum):
 
     @classmethod
     def resolve(cls, value: Any) -> "VariableSynchronization":
-        if isinstance(value, VariableSynchronization):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        names = ", ".join(cls.__members__)
-        raise ValueError(f"synchronization must be a VariableSynchronization ({names}), "
-                         f"got {value!r}")
+        """A synchronization from the enum, its number (TF takes ``synchronization=3``:
+        ON_READ) or its name (any case: csrun's)."""
+        return _member(cls, value, "synchronization")
+
+
+def _member(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        for member in cls:
+            if member.value == value:
+                return member
+    names = ", ".join(f"{name} ({member.value})" for name, member in cls.__members__.items())
+    raise ValueError(f"Invalid variable {what} mode: {value!r:.80}; {what} must be a "
+                     f"{cls.__name__}: {names}")
 
 
 def _apply(tensor: torch.Tensor, op: str, value: torch.Tensor) -> None:

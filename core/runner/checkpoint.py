@@ -22,14 +22,16 @@ import pathlib
 import re
 import secrets
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from ..config import strict_json
 from .digests import file_sha256
 from .dir_lock import DirectoryLock
 
-__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "write_atomic", "json_object"]
+__all__ = ["CheckpointError", "CheckpointManager", "FORMAT", "write_atomic", "json_object",
+           "open_regular"]
 
 FORMAT = 1
 # a manifest is a few kilobytes (its identity holds the config, itself at most 1 MiB)
@@ -111,26 +113,52 @@ def _fsync_dir(directory: pathlib.Path) -> None:
             os.close(fd)
 
 
+def open_regular(path: pathlib.Path, what: str, advice: str = "") -> BinaryIO:
+    """``path`` opened for reading, only if it is a regular file: a FIFO would block the
+    open or the read until a writer comes, a device never end it. Looked at before the
+    open, so that such a file is never opened, and again on the open descriptor, which is
+    opened non-blocking: a name swapped for a FIFO in between cannot block either.
+
+    Raises:
+      CheckpointError: it is missing, not a regular file, or cannot be opened.
+    """
+    def refused() -> CheckpointError:
+        return CheckpointError(f"{what} {str(path)!r} is not a regular file{advice}")
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise refused()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{what} {str(path)!r} is unreadable: "
+                              f"{exc.strerror or exc}{advice}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused()
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def json_object(path: pathlib.Path, what: str, limit: int, advice: str = "") -> dict:
-    """The JSON object in the regular file ``path``, read only if it is one and holds at
-    most ``limit`` bytes (a FIFO would block the read, a device never end it).
+    """The JSON object in the regular file ``path`` (:func:`open_regular`), read only if
+    it holds at most ``limit`` bytes, strictly (:mod:`csrun.core.config.strict_json`: a
+    key given twice is refused, not silently the last).
 
     Raises:
       CheckpointError: it is not a regular file, too big, unreadable, or not an object.
     """
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{what} {str(path)!r} is not a regular file{advice}")
-        if info.st_size > limit:
-            raise CheckpointError(f"{what} {str(path)!r} holds {info.st_size} bytes, more "
-                                  f"than a {what} can ({limit}){advice}")
-        with open(path, "rb") as f:
-            data = json.loads(f.read(limit + 1).decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
-        reason = "it nests too deeply" if isinstance(exc, RecursionError) else exc
-        raise CheckpointError(f"{what} {str(path)!r} is unreadable: {reason}{advice}") \
-            from None
+    with open_regular(path, what, advice) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise CheckpointError(f"{what} {str(path)!r} holds {size} bytes, more than a "
+                                  f"{what} can ({limit}){advice}")
+        try:
+            data = strict_json.loads(f.read(limit + 1))
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            raise CheckpointError(f"{what} {str(path)!r} is unreadable: {exc}{advice}") \
+                from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{what} {str(path)!r} is not a JSON object{advice}")
     return data
@@ -303,13 +331,20 @@ class CheckpointManager:
                   if older else "; run without --resume to start over")
         manifest = self._read_manifest(manifest_path, advice)
         payload_path = manifest_path.with_name(str(manifest.get("file", "")))
-        self._verify(payload_path, manifest, advice)
-        self._check_identity(manifest, payload_path)
-        try:
-            payload = torch.load(payload_path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means "damaged"
-            raise CheckpointError(f"checkpoint {str(payload_path)!r} cannot be loaded "
-                                  f"safely: {type(exc).__name__}: {exc}{advice}") from None
+        if not payload_path.exists():
+            raise CheckpointError(f"checkpoint payload {str(payload_path)!r} is missing"
+                                  f"{advice}")
+        # verified and loaded from one descriptor: the bytes loaded are the bytes hashed
+        with open_regular(payload_path, "checkpoint payload", advice) as f:
+            self._verify(f, payload_path, manifest, advice)
+            self._check_identity(manifest, payload_path)
+            f.seek(0)
+            try:
+                payload = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any unpickling failure: "damaged"
+                raise CheckpointError(f"checkpoint {str(payload_path)!r} cannot be loaded "
+                                      f"safely: {type(exc).__name__}: {exc}{advice}") \
+                    from None
         if not isinstance(payload, dict) or payload.get("step") != manifest["step"]:
             raise CheckpointError(f"checkpoint {str(payload_path)!r} does not hold step "
                                   f"{manifest['step']} as its manifest says{advice}")
@@ -331,15 +366,13 @@ class CheckpointManager:
                                   f"{', '.join(wrong)}){advice}")
         return manifest
 
-    def _verify(self, path: pathlib.Path, manifest: dict, advice: str) -> None:
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint payload {str(path)!r} is missing{advice}")
-        size = path.stat().st_size
+    def _verify(self, f: BinaryIO, path: pathlib.Path, manifest: dict, advice: str) -> None:
+        size = os.fstat(f.fileno()).st_size
         if size != manifest["bytes"]:
             raise CheckpointError(f"checkpoint {str(path)!r} is truncated or damaged: "
                                   f"{size} bytes, its manifest says {manifest['bytes']}"
                                   f"{advice}")
-        if file_sha256(path) != manifest["sha256"]:
+        if file_sha256(f) != manifest["sha256"]:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: its SHA-256 "
                                   f"does not match its manifest{advice}")
 

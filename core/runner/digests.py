@@ -6,8 +6,10 @@ digest, and a resumed run must end with the digest of an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pathlib
+from typing import BinaryIO
 
 import torch
 
@@ -30,10 +32,11 @@ def params_sha256(model: torch.nn.Module) -> str:
     return state_sha256(model.state_dict())
 
 
-def file_sha256(path: str | pathlib.Path, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes, read in chunks."""
+def file_sha256(path: str | pathlib.Path | BinaryIO, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes, read in chunks: a path, or a file open for reading (read
+    from where it stands to its end)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with contextlib.nullcontext(path) if hasattr(path, "read") else open(path, "rb") as f:
         for block in iter(lambda: f.read(chunk), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -30,9 +30,20 @@ from .failures import located
 from .improvement import MetricWatch
 from .metrics import MetricSinks
 from .replica_step import device_type
+from .signals import Interrupted, interrupting
 from .tally import add_metrics
 
-__all__ = ["Evaluator", "EvalParts"]
+__all__ = ["Evaluator", "EvalParts", "abandoned"]
+
+_POLL_S = 0.5  # the main thread's wait for the final evaluation, in slices
+_ABANDONED: list[threading.Thread] = []  # final evaluations a signal let go
+
+
+def abandoned() -> bool:
+    """Whether a final evaluation that a signal let go still runs (the CLI then exits
+    without waiting for it: it is in user code or in torch's C)."""
+    _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
+    return bool(_ABANDONED)
 
 
 @dataclasses.dataclass
@@ -151,14 +162,44 @@ class Evaluator:
     def final(self, step: int, stop: threading.Event | None = None) -> Evaluated | None:
         """The evaluation at the end of a completed run (reported as an event unless this
         very step was evaluated already: the same numbers). Unlike those during training,
-        which a resumed run could not redo, it stops when ``stop`` is set."""
+        which a resumed run could not redo, it stops when ``stop`` is set, and a Ctrl-C or
+        SIGTERM interrupts it at once, mid-batch (:func:`~.signals.interrupting`): the
+        step's checkpoint is written before it."""
         last = self.last
         if last is not None and last.step == step:
             return last
-        evaluated = self.evaluate(step, stop)
+        evaluated = self._interruptible(step, stop)
         if evaluated is not None:
             self.parts.emit(evaluated)
         return evaluated
+
+    def _interruptible(self, step: int, stop: threading.Event | None) -> Evaluated | None:
+        """:meth:`evaluate` on a thread of its own, waited for in the main thread, where a
+        signal interrupts the wait at once (:func:`~.signals.interrupting`): a replica
+        may be deep in C (an OpenMP team) or in a slow batch, where no handler runs. An
+        interrupted evaluation is let go: it ends at its next batch (``stop`` is set) and
+        :func:`abandoned` tells the CLI not to wait for it at exit."""
+        if stop is None or threading.current_thread() is not threading.main_thread():
+            return self.evaluate(step, stop)
+        box: dict[str, Any] = {}
+
+        def work():
+            try:
+                box["value"] = self.evaluate(step, stop)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+                box["error"] = exc
+        worker = threading.Thread(target=work, name="csrun-final-evaluation", daemon=True)
+        worker.start()
+        try:
+            with interrupting():
+                while worker.is_alive():
+                    worker.join(_POLL_S)
+        except Interrupted:
+            _ABANDONED.append(worker)
+            return None
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _record(self, evaluated: Evaluated) -> dict[str, Any]:
         record = {"eval_loss": evaluated.loss, "eval_examples": evaluated.examples}

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from ..config import strict_json
 from ..config.schema import RunConfig
 from .preflight import load_config
 from .preflight import check_writable
@@ -442,6 +443,6 @@ def _error(first: str, chief: str, codes: dict, tasks: dict[str, _Task]) -> str:
 
 def _read_result(path: pathlib.Path) -> dict | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return strict_json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None

@@ -197,6 +197,15 @@ def dl_config_edited_between_runs_holdout(a):
     assert digests(ck) == before
 
 
+def dl_newest_manifest_with_a_key_given_twice(a):
+    """Round 4: JSON keeps the last of two equal keys without a word; a manifest with
+    one given twice was read as if whole."""
+    def damage(ck):
+        manifest = ck / "ckpt-00000002.json"
+        manifest.write_text(manifest.read_text().replace('"step": 2', '"step": 2, "step": 2'))
+    _resume_refused_and_older_intact(a, damage)
+
+
 # == hang ====================================================================================
 def hang_train_with_stdin_closed(a):
     done = a.proc("train", a.config, stdin=subprocess.DEVNULL)
@@ -268,6 +277,15 @@ def hang_stdout_a_closed_pipe(a):
         os.close(write)
     assert done.code in (0, 1), done.err
     assert "Traceback" not in done.err, done.err
+
+
+def hang_prefetch_of_2_63_with_loader_workers(a):
+    """Round 4: torch's DataLoader loops prefetch x workers times before the first batch."""
+    done = a.proc("train", a.config, "dataset.workers=1",
+                  "dataset.steps=[{op: batch, size: 16}, {op: prefetch, buffer: "
+                  "9223372036854775807}]")
+    clean(done, (2,))
+    assert "dataset.steps.1.buffer" in done.err, done.err
 
 
 # == orphan ==================================================================================
@@ -463,6 +481,25 @@ def tb_no_compute_devices(a):
     _refused(a, "strategy.compute_devices=[]")
 
 
+def tb_log_every_of_2_63(a):
+    """Round 4: train failed with "OverflowError: Python int too large to convert to C
+    ssize_t" (a window of 3 x log_every losses)."""
+    done = a.cli("train", a.config, "train.log_every=9223372036854775807")
+    clean(done, (2,))
+    assert "train.log_every" in done.err, done.err
+
+
+PS_CLUSTER = ("strategy={kind: parameter_server, cluster: {worker: ['localhost:2222'], "
+              "ps: ['localhost:2223']}, task: {type: worker, index: 0}}")
+
+
+def tb_timeout_s_of_1e308(a):
+    """Round 4: validate passed it, train failed with "OverflowError: Python int too
+    large to convert to C int"."""
+    done = _refused(a, PS_CLUSTER, "strategy.timeout_s=1e308")
+    assert "strategy.timeout_s" in done.err and "1,000,000 s" in done.err, done.err
+
+
 # == unclear message =========================================================================
 def _names(a, overrides, field, hint_words):
     done = _refused(a, *overrides)
@@ -503,6 +540,15 @@ def msg_missing_gpu(a):
            ["GPU", "CUDA", "available"])
 
 
+def msg_tf_config_with_task_given_twice(a, monkeypatch):
+    """Round 4: "task" given twice passed validate (exit 0): the later one silently won."""
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:2222"], "ps": '
+                       '["localhost:2223"]}, "task": {"type": "ps", "index": 0}, '
+                       '"task": {"type": "worker", "index": 0}}')
+    done = _refused(a, "strategy={kind: parameter_server}")
+    assert "TF_CONFIG" in done.err and 'the key "task" is given twice' in done.err, done.err
+
+
 # -- the table ---------------------------------------------------------------------------
 def _xfail(reason):
     return pytest.mark.xfail(strict=True, reason=reason)
@@ -521,6 +567,7 @@ ATTACKS: list = [
     ("data loss", dl_metrics_a_hard_link_to_the_config, ()),
     ("data loss", dl_checkpoint_dir_holding_the_config_and_notes, ()),
     ("data loss", dl_config_edited_between_runs_holdout, ()),
+    ("data loss", dl_newest_manifest_with_a_key_given_twice, ()),
     ("hang", hang_train_with_stdin_closed, (PROCESS,)),
     ("hang", hang_stdout_is_dev_full, (PROCESS,)),
     ("hang", hang_sigterm_during_validate, (PROCESS,)),
@@ -529,6 +576,7 @@ ATTACKS: list = [
     ("hang", hang_shuffle_buffer_of_10_18, (PROCESS,)),
     ("hang", hang_steps_of_10_18_then_sigterm, (PROCESS,)),
     ("hang", hang_stdout_a_closed_pipe, (PROCESS,)),
+    ("hang", hang_prefetch_of_2_63_with_loader_workers, (PROCESS,)),
     ("orphan", orphan_launch_sigterm, (PROCESS,)),
     ("orphan", orphan_launch_two_ctrl_c, (PROCESS,)),
     ("orphan", orphan_launcher_sigkilled, (PROCESS,)),
@@ -546,6 +594,8 @@ ATTACKS: list = [
     ("traceback", tb_map_fn_of_the_wrong_arity, ()),
     ("traceback", tb_json_to_an_empty_path, ()),
     ("traceback", tb_no_compute_devices, ()),
+    ("traceback", tb_log_every_of_2_63, ()),
+    ("traceback", tb_timeout_s_of_1e308, ()),
     ("unclear message", msg_misspelt_optimizer, ()),
     ("unclear message", msg_misspelt_model_kind, ()),
     ("unclear message", msg_misspelt_op, ()),
@@ -554,6 +604,7 @@ ATTACKS: list = [
     ("unclear message", msg_holdout_past_one, ()),
     ("unclear message", msg_hidden_a_scalar, ()),
     ("unclear message", msg_missing_gpu, ()),
+    ("unclear message", msg_tf_config_with_task_given_twice, ()),
 ]
 
 

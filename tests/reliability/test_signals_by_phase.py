@@ -2,7 +2,8 @@
 the outcome it has:
 
 * during the final held-out evaluation: the run is interrupted there (its checkpoint of
-  the last step is saved already), exit 143 (it used to go on, and exit 0);
+  the last step is saved already), exit 143 (it used to go on, and exit 0), at once, in
+  the middle of a batch (a slow batch used to run to its end: 9 s past the SIGTERM);
 * a second SIGTERM aborts with 143 and says "second SIGTERM" (it said "second Ctrl-C",
   exit 130);
 * once the outcome is decided, a user's thread that is no daemon does not keep the
@@ -34,17 +35,20 @@ from tests.helpers.cli import child_env, csrun_command
 from tests.helpers.tiny_config import tiny_config
 
 USER_MODULE = '''\
-import os, pathlib, time
+import os, pathlib, signal, time
 from torch import nn
 
 STOP = None  # in-process: an Event the evaluation sets
+SIGNAL_SELF = False  # in-process: the evaluation sends itself SIGTERM
+RELEASED = False  # in-process: the test lets a waiting evaluation go
 
 class Net(nn.Module):
-    """Writes a marker in its first evaluation (and waits), or at a training call."""
-    def __init__(self, mark_at=0):
+    """Writes a marker in its first evaluation (and waits: ``eval_wait`` s), or at a
+    training call."""
+    def __init__(self, mark_at=0, eval_wait=3):
         super().__init__()
         self.lin = nn.Linear(6, 3)
-        self.calls, self.mark_at = 0, mark_at
+        self.calls, self.mark_at, self.eval_wait = 0, mark_at, eval_wait
     def forward(self, x):
         if self.training:
             self.calls += 1
@@ -56,7 +60,11 @@ class Net(nn.Module):
                 STOP.set()
             if not os.path.exists("evaluating"):
                 pathlib.Path("evaluating").write_text("")
-                time.sleep(3)
+                if SIGNAL_SELF:  # in-process: the signal a scheduler would send
+                    signal.raise_signal(signal.SIGTERM)
+                deadline = time.monotonic() + self.eval_wait
+                while time.monotonic() < deadline and not RELEASED:
+                    time.sleep(0.05)
         return self.lin(x)
 '''
 
@@ -90,6 +98,25 @@ def test_a_stop_during_the_final_evaluation_interrupts_the_run(tmp_path, user):
                for e in events if type(e).__name__ == "Notice")
 
 
+@pytest.mark.timeout(120)
+def test_a_sigterm_interrupts_a_slow_final_evaluation_mid_batch(tmp_path, user):
+    """A batch of the final evaluation that would take 10 minutes: the SIGTERM in it
+    interrupts it there (it used to run to its end first)."""
+    text = user_config(tmp_path, user, "model.kwargs.eval_wait=600")
+    config = load_config_text(text, str(tmp_path / "c.yaml"))
+    sys.modules[user].SIGNAL_SELF = True
+    events = []
+    try:
+        result = train(config, on_event=events.append)
+    finally:
+        sys.modules[user].RELEASED = True  # the batch let go ends (in the test process)
+    assert (result.status, result.signal, result.steps) == ("interrupted", "SIGTERM", 6)
+    assert result.checkpoint["last"].endswith("ckpt-00000006.pt")
+    assert "eval_loss" not in result.metrics
+    assert any("interrupted during the final evaluation, after step 6" in e.message
+               for e in events if type(e).__name__ == "Notice")
+
+
 def _spawn(tmp_path, *args, **popen):
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
@@ -108,13 +135,19 @@ def _wait_for(path, process, seconds=120):
 
 @pytest.mark.process
 @pytest.mark.timeout(180)
-def test_sigterm_during_the_final_evaluation_exits_143(tmp_path):
-    (tmp_path / "c.yaml").write_text(user_config(tmp_path, "evaluates"))
+@pytest.mark.parametrize("eval_wait, after", [(3, 0), (600, 1)], ids=["batch_of_3_s",
+                                                                     "batch_of_600_s"])
+def test_sigterm_during_the_final_evaluation_exits_143(tmp_path, eval_wait, after):
+    """SIGTERM ``after`` s into an evaluation batch of ``eval_wait`` s (round 3 sent it
+    one second in): exit 143 at once, not when the batch ends."""
+    (tmp_path / "c.yaml").write_text(user_config(tmp_path, f"evaluates{eval_wait}",
+                                                 f"model.kwargs.eval_wait={eval_wait}"))
     process = _spawn(tmp_path, "train", "c.yaml", "--json", "out.json")
     try:
         _wait_for(tmp_path / "evaluating", process)
+        time.sleep(after)
         process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=60)
+        out, err = process.communicate(timeout=60)  # not the batch's 600 s
     finally:
         process.kill()
     assert process.returncode == 143, err

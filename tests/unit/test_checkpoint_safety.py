@@ -106,6 +106,44 @@ def test_a_bad_newest_manifest_is_refused_naming_it(tmp_path, plant):
     assert str(newest) in str(caught.value) and "older checkpoint(s) remain" in str(caught.value)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["ckpt-00000099.json", "ckpt-00000012.pt"])
+def test_a_name_swapped_for_a_fifo_after_it_was_looked_at_does_not_block(
+        tmp_path, monkeypatch, name):
+    """A FIFO put at a checkpoint's name between the look (stat) and the open: the open
+    is non-blocking and the descriptor is looked at again, so the resume is refused
+    naming it at once (an open for reading used to wait for a writer forever)."""
+    train(config(tmp_path))
+    swapped = tmp_path / name
+    if name.endswith(".json"):  # a newer manifest, as a forger would copy one
+        text = (tmp_path / "ckpt-00000012.json").read_text()
+        swapped.write_text(text.replace("ckpt-00000012.pt", "ckpt-00000099.pt"))
+    regular = os.stat(swapped)
+    swapped.unlink()
+    os.mkfifo(swapped)
+    real_stat = os.stat
+
+    def looked_at_before_the_swap(path, *args, **kwargs):
+        return regular if str(path) == str(swapped) else real_stat(path, *args, **kwargs)
+    monkeypatch.setattr(checkpoint_module.os, "stat", looked_at_before_the_swap)
+    caught: list = []
+    resume = threading.Thread(target=lambda: caught.append(_refusal(tmp_path)), daemon=True)
+    resume.start()
+    resume.join(20)
+    if resume.is_alive():  # blocked in the open: let it go, then fail
+        os.close(os.open(swapped, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"the resume blocked opening the FIFO {name}")
+    assert str(swapped) in caught[0] and "is not a regular file" in caught[0], caught
+
+
+def _refusal(folder) -> str:
+    try:
+        train(config(folder), resume=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return "not refused"
+
+
 # -- step settings changed on resume -----------------------------------------------------
 @pytest.mark.parametrize("changed, said", [
     ("train.accumulate_steps=2", "train.accumulate_steps 2 (the checkpoint's run had 1)"),

@@ -168,7 +168,7 @@ def test_update_in_replica_context_merges_into_one_update():
     assert float(v) == 12.0 and calls == [True]
     assert out is v
 
-    with pytest.raises(ValueError, match="PerReplica of 2 components"):
+    with pytest.raises(ValueError, match="PerReplica whose 2 components differ"):
         s.run(lambda: s.extended.update(
             v, add, args=(torch.tensor(float(cs.get_replica_context()
                                              .replica_id_in_sync_group)),)))
