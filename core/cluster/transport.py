@@ -10,15 +10,7 @@ Messages are a fixed-size int64 header (operation and the dtype/size of each pay
 followed by flat payload tensors; structured data travels as UTF-8 JSON bytes, and
 checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
 
-Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
-``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
-``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
-``global_step``, ``incarnation/TASK`` (how many processes started as TASK),
-``owner/TASK`` (the incarnation that plays it: one at a time), ``finished/TASK``,
-``lost/TASK`` and
-``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined);
-``chief/beat`` (the chief's heartbeat counter) and ``job/agree/NAME`` (what every
-task must agree on).
+The store's keys are :mod:`.store_keys`'s.
 
 Every store call is bounded (:class:`BoundedStore`): a ps that accepts connections but
 never answers (frozen, stopped) must not hang a task forever, deaf to its signals.
@@ -42,6 +34,7 @@ import torch.distributed as dist
 
 from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
+from . import store_keys
 
 __all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
 
@@ -128,11 +121,23 @@ class Caller:
 
     def call(self, call: Callable[[], Any], timeout: float, what: str,
              stop: threading.Event | None = None) -> Any:
+        return self.wait(self.submit(call), timeout, what, stop)
+
+    def submit(self, call: Callable[[], Any]) -> tuple[dict, threading.Event]:
+        """Queue ``call`` on this caller's thread; :meth:`wait` for its result (several
+        callers' calls then run at once)."""
         if self._stuck is not None:
             raise self._stuck
         box: dict = {}
         done = threading.Event()
         self._queue.put((call, box, done))
+        return box, done
+
+    def wait(self, ticket: tuple[dict, threading.Event], timeout: float, what: str,
+             stop: threading.Event | None = None) -> Any:
+        """The result of a :meth:`submit` ted call (its exception raised here), within
+        ``timeout`` seconds or until ``stop`` is set."""
+        box, done = ticket
         deadline = time.monotonic() + timeout
         while not done.wait(_SLICE):
             if stop is not None and stop.is_set():
@@ -237,7 +242,7 @@ def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:
     """Publish ``value`` as what every task must agree on under ``name`` (the first task
     to do so sets it); return who set it and what it is."""
     mine = json.dumps({"task": task, "value": value}, sort_keys=True)
-    held = json.loads(store.compare_set(f"job/agree/{name}", "", mine))
+    held = json.loads(store.compare_set(store_keys.agreed(name), "", mine))
     return held["task"], held["value"]
 
 

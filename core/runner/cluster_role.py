@@ -277,7 +277,7 @@ class ClusterRole:
             return where
         timeout = max(self.config.strategy.timeout_s, 600.0)
         start = self.ext.wait_for_chief(timeout, self._waiting)
-        done = self.ext.steps_done()
+        done = self.ext.coordinator.steps_done()
         if done is not None and done != int(start["step"]):
             self.emit(Notice(f"continuing at step {done}, the steps the ps tasks applied "
                              f"for this worker in this job"))
@@ -295,7 +295,7 @@ class ClusterRole:
 
     def logged(self) -> None:
         if self.is_chief:
-            for task, why in self.ext.lost_workers().items():
+            for task, why in self.ext.coordinator.lost_workers().items():
                 self._report(task, why)
             self._rejoined()
 
@@ -306,7 +306,7 @@ class ClusterRole:
 
     def _rejoined(self) -> list[str]:
         """Workers restarted since; those reported lost are news (and may be lost again)."""
-        rejoined = self.ext.rejoined_workers()
+        rejoined = self.ext.coordinator.rejoined_workers()
         for task in sorted(self._reported.intersection(rejoined)):
             self._reported.discard(task)
             self.emit(Notice(f"rejoined {task}: it was restarted and trains again"))
@@ -319,7 +319,7 @@ class ClusterRole:
         the ps tasks hold, and the run is interrupted)."""
         if not self.is_chief:
             return
-        waiting = [t for t in self.ext.unfinished_workers() if t not in self._reported]
+        waiting = [t for t in self.ext.coordinator.unfinished(self.ext.other_workers()) if t not in self._reported]
         if waiting:
             self.emit(Notice(f"waiting for {', '.join(waiting)} to finish (each counts as "
                              f"lost after {self.config.strategy.timeout_s:g} s without an "
@@ -335,7 +335,7 @@ class ClusterRole:
         # the store lives until the chief ends the job: ask before finish() does (the
         # others have finished: settle() waited for them)
         self._rejoined_before_end = self._rejoined() if self.is_chief else []
-        counts = {t: self.ext.steps_done(t) or 0 for t in self.ext.worker_tasks} \
+        counts = {t: self.ext.coordinator.steps_done(t) or 0 for t in self.ext.worker_tasks} \
             if self.is_chief else {}
         self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
         self._ended = True

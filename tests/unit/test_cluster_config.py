@@ -224,13 +224,13 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
 
     import torch.distributed as dist
 
-    from csrun.core.cluster.client import ParameterServerClient
+    from csrun.core.cluster.coordinator import JobCoordinator
     from csrun.core.cluster.transport import ParameterServerError
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
-    client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
-    client._store, client._stop, client._watch = store, None, None
+    client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
+    client.store, client.stop, client._watch = store, None, None
     threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
     # heard: waiting out the 20 s would raise "did not initialize the variables" instead
     with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
@@ -249,7 +249,7 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     import torch.distributed as dist
 
     from csrun.core.runner.launch import free_ports
-    from csrun.core.cluster.client import ParameterServerClient, _job_store
+    from csrun.core.cluster.coordinator import JobCoordinator, _job_store
     from csrun.core.cluster.transport import ParameterServerError
 
     (port,) = free_ports(1)
@@ -260,8 +260,8 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     try:
         assert host.stdout.readline().strip() == "up"
         raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
-        client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
-        client._store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
+        client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
+        client.store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
         client._watch = None
         assert client.global_step == 0
         host.kill()

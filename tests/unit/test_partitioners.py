@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from csrun.core import FixedShardsPartitioner, MinSizePartitioner, Partitioner
-from csrun.core.cluster.sharded_variable import Layout, partitioner_from_config
+from csrun.core.cluster.plan import ShardingPlan
+from csrun.core.cluster.sharded_variable import partitioner_from_config
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.cluster_role import job_settings
 from csrun.core.runner.preflight import load_config_text
@@ -36,11 +37,11 @@ def test_a_partitioner_that_splits_anything_but_dim_0_is_refused_naming_it():
 
     with pytest.raises(ValueError, match=r"Columns returned \[1, 2\] for shape \[6, 4\]; "
                                          r"a partitioner splits dim 0 only"):
-        Layout.of([torch.zeros(6, 4)], 2, partitioner=Columns())
+        ShardingPlan.of([torch.zeros(6, 4)], 2, partitioner=Columns())
 
 
 def test_shards_split_rows_tfs_way_and_go_round_robin_as_variables_would():
-    layout = Layout.of([torch.zeros(10, 2), torch.zeros(3)], 2,
+    layout = ShardingPlan.of([torch.zeros(10, 2), torch.zeros(3)], 2,
                        partitioner=FixedShardsPartitioner(3))
     assert [(s.var, s.start, s.stop, s.ps) for s in layout.shards] == [
         (0, 0, 4, 0), (0, 4, 7, 1), (0, 7, 10, 0), (1, 0, 1, 1), (1, 1, 2, 0), (1, 2, 3, 1)]
@@ -50,7 +51,7 @@ def test_shards_split_rows_tfs_way_and_go_round_robin_as_variables_would():
 
 
 def test_unpartitioned_and_colocated_variables_stay_whole():
-    layout = Layout.of([torch.zeros(10, 2), torch.zeros(8)], 3, colocate={1: 0},
+    layout = ShardingPlan.of([torch.zeros(10, 2), torch.zeros(8)], 3, colocate={1: 0},
                        partitioner=FixedShardsPartitioner(2))
     assert [(s.var, s.rows) for s in layout.shards] == [(0, 5), (0, 5), (1, 8)]
     assert layout.owner(1) == layout.owner(0)
