@@ -17,7 +17,7 @@ import torch
 
 from .transport import settings_from_json, settings_to_json
 
-__all__ = ["optimizer_spec", "optimizer_class", "group_settings", "row_local",
+__all__ = ["optimizer_spec", "optimizer_class", "group_settings", "sparse_exact",
            "OptimizerRefused"]
 
 
@@ -101,31 +101,36 @@ def apply_settings(optimizer: torch.optim.Optimizer, group_index: list[int],
                     group[key] = value
 
 
-def row_local(cls: type, settings: dict) -> bool:
-    """Whether ``cls`` with ``settings`` updates a row whose gradient is zero not at all,
-    exactly as if that row had no gradient: then a table the model reads densely
-    (``sparse=False``) can take the sparse update of its looked-up rows, bit for bit
-    (Adagrad and plain SGD do; SGD with momentum and Adam move every row). Tried on a
-    4-row variable for two steps: torch's own answer, whatever the class."""
+def sparse_exact(cls: type, settings: dict) -> bool:
+    """Whether ``cls`` with ``settings`` takes a sparse gradient of some rows exactly as
+    the dense gradient with zeros elsewhere: then a table the model reads densely
+    (``sparse=False``) can take the sparse update of its looked-up rows, bit for bit, and
+    the ps makes no table-sized gradient (Adagrad and SGD, with momentum too, can; Adam,
+    or a weight decay, cannot). Tried on a 4-row variable for two steps of different
+    rows: torch's own answer, whatever the class."""
     settings = settings_from_json({k: v for k, v in settings.items()
                                    if k not in ("params", "initial_lr")})
-    rows = torch.tensor([[1], [3]])
-    values = torch.tensor([[0.5, -1.0], [2.0, 0.25]])
+    steps = [(torch.tensor([1, 3]), torch.tensor([[0.5, -1.0], [2.0, 0.25]])),
+             (torch.tensor([0, 3]), torch.tensor([[-0.75, 1.5], [0.125, 1.0]]))]
     try:
-        dense = _stepped(cls, settings, lambda w: torch.zeros(4, 2).index_add_(
-            0, rows[:, 0], values))
-        sparse = _stepped(cls, settings, lambda w: torch.sparse_coo_tensor(
-            rows.T, values, (4, 2), is_coalesced=True, check_invariants=True))
+        dense = _stepped(cls, settings, [torch.zeros(4, 2).index_add_(0, ids, values)
+                                         for ids, values in steps])
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):
+            sparse = _stepped(cls, settings, [torch.sparse_coo_tensor(
+                ids.unsqueeze(0), values, (4, 2), is_coalesced=True) for ids, values in steps])
     except (RuntimeError, ValueError, TypeError):
         return False
     return all(torch.equal(a, b) for a, b in zip(dense, sparse))
 
 
-def _stepped(cls: type, settings: dict, grad) -> list[torch.Tensor]:
+def _stepped(cls: type, settings: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weight and its state after ``cls`` stepped it with each of ``grads``; rows with
+    a gradient at some step but not the next move at the next only if ``cls`` moves rows
+    without a gradient."""
     weight = torch.nn.Parameter(torch.arange(8.0).view(4, 2) / 7)
     optimizer = cls([{**settings, "params": [weight]}])
-    for _ in range(2):
-        weight.grad = grad(weight)
+    for grad in grads:
+        weight.grad = grad
         optimizer.step()
     state = [v for v in optimizer.state[weight].values() if isinstance(v, torch.Tensor)]
     return [weight.detach()] + [s.to_dense() if s.is_sparse else s for s in state]

@@ -23,7 +23,7 @@ from .resolvers import ClusterResolver
 from .shards import HeldShards, Refused
 from .transport import (ABORTED, ASSIGN, BYE, FOREVER, LOAD, LOOKUP, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, STATE, BoundedStore, Channel,
-                        DuplicateTask, agree, connect_store, decode, encode, gloo_device,
+                        DuplicateTask, agree, connect_store, decode, encode, gloo_device, in_native,
                         pack_state, poll_until, store_host, transport_error, unpack_state)
 
 __all__ = ["ParameterServer"]
@@ -122,14 +122,15 @@ class ParameterServer:
         nothing escapes this thread (a broken store at the end is the job's end)."""
         worker = name.rsplit("#", 1)[0]
         try:
-            channel = Channel(self._store.raw, keys.channel(self.task_id, name), 0, FOREVER,
-                              self._device)
-            while True:
-                op, payload = channel.recv()
-                if op == BYE:
-                    self.books.finished(worker)
-                    return
-                channel.send(*self._reply(op, payload, worker))
+            with in_native():  # a process that ends meanwhile must not wait for it
+                channel = Channel(self._store.raw, keys.channel(self.task_id, name), 0,
+                                  FOREVER, self._device)
+                while True:
+                    op, payload = channel.recv()
+                    if op == BYE:
+                        self.books.finished(worker)
+                        return
+                    channel.send(*self._reply(op, payload, worker))
         except RuntimeError as exc:  # the peer died or its connection broke
             try:  # which incarnation died: a restarted worker (a later one) is not lost
                 self.books.lost(name, f"ps:{self.task_id} lost {name}: "

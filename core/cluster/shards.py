@@ -6,8 +6,8 @@ once): that and registration take the lock. Lookups and the values a reply carri
 read without it, as TF's ps reads do: a read during an update may see some rows new,
 others old (asynchronous training; one worker alone never meets an update it did not
 wait for). Sparse rows are applied as the optimizer's sparse update; a table the model
-reads densely (``sparse=False``) too, when the optimizer moves no row whose gradient is
-zero (:func:`.optimizer_spec.row_local`: Adagrad, plain SGD), and otherwise through one
+reads densely (``sparse=False``) too, when that is exact
+(:func:`.optimizer_spec.sparse_exact`: Adagrad, SGD), and otherwise through one
 gradient buffer per table that only the pushed rows are written into and cleared in.
 """
 
@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from .optimizer_spec import (OptimizerRefused, apply_settings, optimizer_class, row_local)
+from .optimizer_spec import (OptimizerRefused, apply_settings, optimizer_class, sparse_exact)
 from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
 
 __all__ = ["HeldShards", "Refused", "LOG_LIMIT"]
@@ -54,7 +54,7 @@ class HeldShards:
         self._optimizer = None
         self._group_index: list[int] = []          # the worker's group of each of ours
         self._group_of: dict[int, dict] = {}       # id(shard) -> its optimizer group
-        self._row_local: dict[int, bool] = {}      # id(group) -> row_local()
+        self._sparse_exact: dict[int, bool] = {}      # id(group) -> sparse_exact()
         self._buffers: dict[int, torch.Tensor] = {}  # shard id -> dense gradient buffer
         self._lock = threading.Lock()
         self.version = 0
@@ -127,7 +127,7 @@ class HeldShards:
             self._optimizer = cls(groups, **settings_from_json(spec["defaults"]))
             self._group_of = {id(p): g for g in self._optimizer.param_groups
                               for p in g["params"]}
-            self._row_local = {id(g): row_local(cls, g) for g in self._optimizer.param_groups}
+            self._sparse_exact = {id(g): sparse_exact(cls, g) for g in self._optimizer.param_groups}
 
     # -- reads and writes ------------------------------------------------------------------
     def values(self) -> list[torch.Tensor]:
@@ -197,7 +197,7 @@ class HeldShards:
         written = []
         for shard, wanted, values, mode in row_grads:
             table = self._vars[shard]
-            if mode == "sparse" or self._row_local[id(self._group_of[id(table)])]:
+            if mode == "sparse" or self._sparse_exact[id(self._group_of[id(table)])]:
                 table.grad = _sparse(wanted, values, table.shape)
             else:  # the dense gradient those rows stand for, zero elsewhere
                 buffer = self._buffers.get(shard)

@@ -18,6 +18,7 @@ never answers (frozen, stopped) must not hang a task forever, deaf to its signal
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
@@ -85,6 +86,19 @@ def calls_running() -> int:
     called without an active exception" (exit 134). The CLI then ends with
     ``os._exit``, its outcome decided and its output flushed."""
     return _running[0]
+
+
+@contextlib.contextmanager
+def in_native():
+    """Count this thread, for the block, as one that may sit in torch's C++ (a ps's
+    channel thread waits there for its worker's next message): see :func:`calls_running`."""
+    with _running_lock:
+        _running[0] += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running[0] -= 1
 
 
 class Caller:

@@ -2,15 +2,13 @@
 tasks in this process (threads, loopback): one worker ends on the parameters central
 storage reaches (same initial values, same batches), whatever the sharding."""
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from csrun.core import (CentralStorageStrategy, FixedShardsPartitioner, MinSizePartitioner,
                         ParameterServerStrategy, StrategyOptions)
-from csrun.core.runner.launch import free_ports
+from tests.helpers.ps_cluster import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,37 +60,6 @@ def train(strategy, sparse: bool, optimizer: str, steps: int = 6):
         for o in optimizers:
             o.step()
     return model
-
-
-class Cluster:
-    """``ps`` ps tasks serving in threads of this process, and one worker's strategy."""
-
-    def __init__(self, ps: int, **kwargs):
-        ports = free_ports(ps + 1)
-        self.spec = {"worker": [f"127.0.0.1:{ports[0]}"],
-                     "ps": [f"127.0.0.1:{p}" for p in ports[1:]]}
-        self.threads = []
-        for k in range(ps):
-            thread = threading.Thread(target=self._serve, args=(k,), daemon=True)
-            thread.start()
-            self.threads.append(thread)
-        self.strategy = ParameterServerStrategy(cluster_spec=self.spec, task_type="worker",
-                                                task_id=0, timeout=60, **kwargs)
-
-    def _serve(self, k: int) -> None:
-        ParameterServerStrategy(cluster_spec=self.spec, task_type="ps", task_id=k,
-                                timeout=60).extended.join()
-
-    def close(self) -> None:
-        self.strategy.extended.finish(timeout=30)
-        for thread in self.threads:
-            thread.join(timeout=30)
-
-    def __enter__(self) -> "Cluster":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def central(sparse: bool, optimizer: str) -> dict:
