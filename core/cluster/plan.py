@@ -15,36 +15,63 @@ rows, only the rows it looked up); only the ps tasks hold shards.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from .sharded_variable import Partitioner
 
-__all__ = ["Shard", "ShardingPlan", "placement"]
+__all__ = ["Shard", "ShardingPlan", "placement", "shard_count"]
 
 
 def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
               colocate: dict[int, int] | None = None) -> list[int]:
     """The ps task of each variable (here: each shard), in creation order.
 
-    ``round_robin`` is TF's rule (i on ps i mod n); ``balanced`` puts each on the ps
-    holding the fewest bytes so far (TF users complained of skew). ``colocate`` maps an
-    index to an earlier one whose ps it must share.
+    ``round_robin`` is TF's rule: the i-th variable placed on ps i mod n, where a
+    colocated one (``colocate`` maps an index to an earlier one whose ps it shares, TF's
+    ``colocate_vars_with``) is not counted; ``balanced`` puts each on the ps holding the
+    fewest bytes so far (TF users complained of skew).
     """
     if mode not in ("round_robin", "balanced"):
         raise ValueError(f"variable placement must be 'round_robin' or 'balanced', got {mode!r}")
     owners: list[int] = []
     load = [0] * num_ps
+    placed = 0  # TF's variable count: the variables placed by the rule, not colocated
     for index, size in enumerate(sizes):
         if colocate and index in colocate:
             owner = owners[colocate[index]]
         elif mode == "round_robin":
-            owner = index % num_ps
+            owner, placed = placed % num_ps, placed + 1
         else:
             owner = min(range(num_ps), key=lambda k: (load[k], k))
         owners.append(owner)
         load[owner] += size
     return owners
+
+
+def shard_count(partitioner: Partitioner, shape: tuple, dtype: torch.dtype) -> int:
+    """Into how many shards ``partitioner`` splits a variable, by TF's rules: a scalar is
+    never offered; any ``[n, 1, ...]`` with n not 0 is taken (its length unchecked, as
+    TF); n = 1 leaves it whole; at most one shard per row."""
+    if len(shape) == 0:
+        return 1
+    parts = partitioner(tuple(shape), dtype)
+    if not parts or parts[0] == 0 or any(p != 1 for p in parts[1:]):
+        raise ValueError(f"variable_partitioner must return a list/tuple whose elements are "
+                         f"1 besides the first element (non-zero), got: {parts!r} "
+                         f"({partitioner!r}, for a variable of shape {list(shape)})")
+    first = int(parts[0]) if isinstance(parts[0], bool) else parts[0]  # True is 1, as in TF
+    if not isinstance(first, int) or first < 0:
+        # TF fails later, in the split (range() of 2.5); say so here
+        raise ValueError(f"{partitioner!r} returned {list(parts)!r} for a variable of shape "
+                         f"{list(shape)}: the first element must be a positive whole number")
+    if first == 1:
+        return 1
+    if shape[0] == 0:  # TF: a ZeroDivisionError in its split
+        raise ValueError(f"{partitioner!r} splits a variable of shape {list(shape)} into "
+                         f"{first} shards, but it has no rows; return [1, ...] for it")
+    return min(first, shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +127,12 @@ class ShardingPlan:
         for var, tensor in enumerate(tensors):
             rows = tensor.shape[0] if tensor.dim() else 1
             count = 1 if partitioner is None or var in colocate else \
-                partitioner.num_shards(tuple(tensor.shape), tensor.dtype)
+                shard_count(partitioner, tuple(tensor.shape), tensor.dtype)
             first_piece[var] = len(pieces)
             if var in colocate:
                 piece_colocate[len(pieces)] = first_piece[colocate[var]]
             pieces.extend((var, a, b) for a, b in _bounds(rows, count))
-        row_bytes = [t.element_size() * (t[0].numel() if t.dim() else 1) for t in tensors]
+        row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in tensors]
         owners = placement([(b - a) * row_bytes[v] for v, a, b in pieces], num_ps, mode,
                            piece_colocate)
         shards = [Shard(i, v, a, b, owners[i]) for i, (v, a, b) in enumerate(pieces)]

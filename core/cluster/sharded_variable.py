@@ -7,6 +7,7 @@ A partitioner says into how many shards a variable splits along dim 0
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -17,34 +18,33 @@ __all__ = ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner",
 
 class Partitioner:
     """Into how many shards a variable splits along dim 0 (TF's Partitioner): called
-    with its shape and dtype, returns ``[n, 1, 1, ...]``."""
+    with its shape and dtype, returns ``[n, 1, 1, ...]`` (TF's rules for what it may
+    return are the plan's: :func:`.plan.shard_count`)."""
 
-    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype, axis: int = 0) -> list[int]:
         raise NotImplementedError
 
-    def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        """The shard count for a variable; scalars and one-row variables stay whole."""
-        if len(shape) == 0 or shape[0] <= 1:
-            return 1
-        partitions = list(self(tuple(shape), dtype))
-        if len(partitions) != len(shape) or any(p != 1 for p in partitions[1:]) \
-                or not 1 <= partitions[0]:
-            raise ValueError(f"{type(self).__name__} returned {partitions} for shape "
-                             f"{list(shape)}; a partitioner splits dim 0 only: [n, 1, ...] "
-                             "with n >= 1")
-        return min(partitions[0], shape[0])
+
+def _whole_number(value, name: str) -> int:
+    """``value`` as the count it must be: an int (TF takes 2.5 or "2" here and fails
+    when a variable is made; csrun says so at once, naming it)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, got {value!r}")
+    return value
 
 
 class FixedShardsPartitioner(Partitioner):
     """``num_shards`` shards (fewer for a variable with fewer rows), as TF's."""
 
     def __init__(self, num_shards: int):
-        if int(num_shards) < 1:
+        if _whole_number(num_shards, "num_shards") < 1:
             raise ValueError(f"num_shards must be at least 1, got {num_shards}")
-        self.num_shards_wanted = int(num_shards)
+        self.num_shards_wanted = num_shards
 
-    def __call__(self, shape, dtype) -> list[int]:
-        return [min(self.num_shards_wanted, shape[0])] + [1] * (len(shape) - 1)
+    def __call__(self, shape, dtype, axis: int = 0) -> list[int]:
+        result = [1] * len(shape)
+        result[axis] = min(self.num_shards_wanted, shape[axis])  # a scalar: IndexError, as TF
+        return result
 
     def __repr__(self) -> str:
         return f"FixedShardsPartitioner(num_shards={self.num_shards_wanted})"
@@ -53,21 +53,33 @@ class FixedShardsPartitioner(Partitioner):
 class MinSizePartitioner(Partitioner):
     """As many shards as the variable has ``min_shard_bytes`` (rounded up, as TF's
     ``min_max_variable_partitioner``), at most ``max_shards`` (TF's MinSizePartitioner;
-    its defaults)."""
+    its defaults). ``bytes_per_string``: TF's size of a string element (torch has no
+    string tensors: checked, and kept for TF's signature)."""
 
-    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1):
-        if int(min_shard_bytes) < 1 or int(max_shards) < 1:
-            raise ValueError(f"min_shard_bytes and max_shards must be at least 1, got "
-                             f"{min_shard_bytes} and {max_shards}")
-        self.min_shard_bytes, self.max_shards = int(min_shard_bytes), int(max_shards)
+    def __init__(self, min_shard_bytes: float = 256 << 10, max_shards: int = 1,
+                 bytes_per_string: float = 16):
+        for name, value in (("min_shard_bytes", min_shard_bytes),
+                            ("bytes_per_string", bytes_per_string)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not value >= 1:
+                raise ValueError(f"Argument `{name}` must be positive. Received: {value}")
+        if _whole_number(max_shards, "max_shards") < 1:
+            raise ValueError(f"Argument `max_shards` must be positive. Received: {max_shards}")
+        self.min_shard_bytes, self.max_shards = min_shard_bytes, max_shards
+        self.bytes_per_string = bytes_per_string
 
-    def __call__(self, shape, dtype) -> list[int]:
-        element = torch.empty((), dtype=dtype).element_size()
-        total = element
+    def __call__(self, shape, dtype, axis: int = 0) -> list[int]:
+        if axis >= len(shape):
+            raise ValueError(f"Cannot partition variable along axis {axis} when shape is "
+                             f"only {tuple(shape)}")
+        total = torch.empty((), dtype=dtype).element_size()
         for size in shape:
             total *= size
-        shards = max(1, min(self.max_shards, shape[0], -(-total // self.min_shard_bytes)))
-        return [shards] + [1] * (len(shape) - 1)
+        result = [1] * len(shape)
+        result[axis] = max(1, min(shape[axis], self.max_shards,
+                                  math.ceil(total / self.min_shard_bytes)))
+        return result
 
     def __repr__(self) -> str:
         return (f"MinSizePartitioner(min_shard_bytes={self.min_shard_bytes}, "
