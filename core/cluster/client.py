@@ -20,7 +20,8 @@ from .coordinator import JobCoordinator, stopped_answering
 from .plan import Shard
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
-                        PUSH_PULL, REFUSED, REGISTER, STATE, Caller, Channel, ClusterMismatch,
+                        PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, Caller, Channel,
+                        ClusterMismatch,
                         ParameterServerError, decode, encode, flat_by_dtype, gloo_device,
                         pack_state, store_host, unflatten_into, unpack_state)
 
@@ -219,6 +220,20 @@ class ParameterServerClient:
 
     def load(self, states: list[dict]) -> None:
         self.exchange({k: (LOAD, [pack_state(state)]) for k, state in enumerate(states)})
+
+    def save(self, folder: str, stem: str, holding: list[bool]) -> list[dict]:
+        """Each ps that holds shards writes them to ``folder/STEM.ps-K.safetensors``, all
+        at once; their records (:meth:`.shards.HeldShards.save`), by ps."""
+        replies = self.exchange({k: (SAVE, [encode({"folder": folder,
+                                                    "name": f"{stem}.ps-{k}.safetensors"})])
+                                 for k in range(self.num_ps) if holding[k]})
+        return [decode(replies[k][0]) for k in sorted(replies)]
+
+    def restore(self, folder: str, sources: list[list[dict]], version: int) -> None:
+        """Each ps reads its shards' rows from the files ``sources[k]``, all at once."""
+        self.exchange({k: (RESTORE, [encode({"folder": folder, "sources": sources[k],
+                                             "version": version})])
+                       for k in range(self.num_ps)})
 
     # -- what moved ------------------------------------------------------------------------
     def transfer_stats(self) -> dict:

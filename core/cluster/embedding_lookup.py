@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows",
+__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "ServedModel", "find_tables", "serve_by_rows",
            "sparse_update_problem", "table_label"]
 
 # torch optimizers with a sparse update (checked against torch by the tests)
@@ -154,6 +154,37 @@ def _bag_forward(module: torch.nn.EmbeddingBag, table: RowTable):
     return forward
 
 
+_UNREAD = threading.local()  # .active: state_dict() leaves the served tables out
+_UNREAD.active = False
+
+
+class ServedModel:
+    """A model's checkpoint entry in a parameter-server job whose checkpoints are by
+    shard: its ``state_dict()`` without the tables served by rows (the ps tasks write
+    those), and a ``load_state_dict()`` that expects them missing."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        _UNREAD.active = True
+        try:
+            return self.model.state_dict()
+        finally:
+            _UNREAD.active = False
+
+    def load_state_dict(self, state: dict) -> None:
+        served = {name for name, module in self.model.named_modules()
+                  if getattr(module, "csrun_row_table", None) is not None
+                  for name in [f"{name}.weight" if name else "weight"]}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [key for key in missing if key not in served]
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for "
+                               f"{type(self.model).__name__}: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
+
+
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     """One element standing for the whole table: its shape, none of its memory; NaN, so
     that a read of it outside a replica (where nothing can refuse it) shows."""
@@ -166,6 +197,7 @@ def serve_by_rows(module: torch.nn.Module, table: RowTable) -> None:
     """Make ``module`` read ``table`` by rows from now on; free its local weight."""
     with torch.no_grad():
         module.weight.data = _placeholder(module.weight)
+    module.csrun_row_table = table
     is_bag = isinstance(module, torch.nn.EmbeddingBag)
     module.forward = _bag_forward(module, table) if is_bag else \
         _embedding_forward(module, table)
@@ -174,7 +206,10 @@ def serve_by_rows(module: torch.nn.Module, table: RowTable) -> None:
 
     def save(mod, state, prefix, local_metadata):
         if prefix + "weight" in state:
-            state[prefix + "weight"] = table.read_all()
+            if _UNREAD.active:  # a checkpoint by shard: the ps tasks write the table
+                del state[prefix + "weight"]
+            else:
+                state[prefix + "weight"] = table.read_all()
 
     def load_pre(mod, state, prefix, *args):
         value = state.pop(prefix + "weight", None)

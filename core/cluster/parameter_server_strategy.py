@@ -28,6 +28,7 @@ from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, Str
 from .client import ParameterServerClient
 from .coordinator import JobCoordinator
 from .remote_store import RemoteParameterStore
+from .shard_index import build_index, check_index, sources_for
 from .sharded_state import FORMAT, split_state, whole_state
 from .sharded_variable import Partitioner
 from .resolvers import ClusterResolver, SimpleClusterResolver, TFConfigClusterResolver
@@ -196,6 +197,35 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
             self.coordinator.set_steps({t: int(steps.get(t, 0)) for t in self._worker_tasks})
         else:  # every push reaches every ps that holds variables: the busiest counted all
             self.coordinator.set_global_step(max(int(s.get("version", 0)) for s in states))
+        self.pull()
+
+    def save_shards(self, directory: str, stem: str) -> tuple[list[dict], dict]:
+        """Every ps writes its shards and their optimizer slots beside the chief's
+        checkpoint (``directory/STEM.ps-K.safetensors``), all at once: no table passes
+        through the chief. Returns the files (for the manifest) and the index (for the
+        chief's payload: :mod:`.shard_index`)."""
+        store = self._remote()
+        store.ensure_registered()
+        records = store.client.save(str(directory), stem, store.holding)
+        steps = {t: self.coordinator.steps_done(t) or 0 for t in self._worker_tasks}
+        files = [{k: r[k] for k in ("file", "bytes", "sha256")} for r in records]
+        return files, build_index(records, store.plan, store.dtypes, steps)
+
+    def restore_shards(self, index: dict, directory: str, listed: list[dict], path: str,
+                       optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Every ps reads the rows of its shards from a checkpoint by shard (whatever ps
+        or shard count wrote it), and every worker's step count is restored; ``index``
+        is checked first (:func:`.shard_index.check_index`; ``path`` names the
+        checkpoint in its errors)."""
+        store = self._remote()
+        store.ensure_registered()
+        if optimizer is not None:
+            store.ensure_optimizer(optimizer)
+        check_index(index, store.plan, store.dtypes, self._worker_tasks, listed, path)
+        sources = sources_for(index, store.plan, store.client.num_ps)
+        store.client.restore(str(directory), sources, index["version"])
+        self.coordinator.set_steps({t: int(index["steps"].get(t, 0))
+                                    for t in self._worker_tasks})
         self.pull()
 
     def mark_initialized(self, info: dict | None = None) -> None:

@@ -43,6 +43,7 @@ class RemoteParameterStore(ParameterStore):
         self.partitioner = partitioner
         self.serve_embedding_rows = serve_embedding_rows
         self.plan: ShardingPlan | None = None
+        self.dtypes: list[str] = []   # each variable's, as the checkpoint index spells it
         self._ids: dict = {}          # central tensor -> variable id (creation order)
         self._optimizer = None
         self._sent_settings: list[dict] | None = None  # the groups' settings the ps have
@@ -52,7 +53,7 @@ class RemoteParameterStore(ParameterStore):
         self._whole: list[list[torch.Tensor]] = [[] for _ in range(client.num_ps)]
         self.served_whole: list[str] = []  # tables that could not be served by rows, why
         self._row_served: set[int] = set()     # ids of the tables served by rows
-        self._holding: list[bool] = []          # per ps: holds any shard
+        self.holding: list[bool] = []           # per ps: holds any shard
         self._counting_ps = 0
 
     def begin_run(self, reads: bool = True):
@@ -71,6 +72,7 @@ class RemoteParameterStore(ParameterStore):
         self.plan = ShardingPlan.of(tensors, self.client.num_ps, self.variable_placement,
                                     colocate, self.partitioner)
         self._ids = index
+        self.dtypes = [str(t.dtype).replace("torch.", "") for t in tensors]
         modules = self.adopted_modules()
         tables = self._tables_to_serve(modules, tensors, index)
         self._sparse = {index[m.weight] for m in modules
@@ -84,8 +86,8 @@ class RemoteParameterStore(ParameterStore):
             if shard.var not in tables:
                 self._whole[shard.ps].append(piece)
         self.client.register(held, self._whole)
-        self._holding = [bool(shards) for shards in held]  # the ps tasks a push goes to
-        self._counting_ps = self._holding.index(True)
+        self.holding = [bool(shards) for shards in held]  # the ps tasks a push goes to
+        self._counting_ps = self.holding.index(True)
         for var, module in tables.items():
             central = tensors[var]
             self.tables[var] = RowTable(var, tuple(central.shape), central.dtype,
@@ -179,7 +181,7 @@ class RemoteParameterStore(ParameterStore):
         if not any(self.owns(p) for p in params):
             return
         self.ensure_optimizer(optimizer)
-        pushes = [Push() if holds else None for holds in self._holding]
+        pushes = [Push() if holds else None for holds in self.holding]
         for p in params:
             if p.grad is not None and p in self._ids:
                 self._add_push(pushes, self._ids[p], p.grad)

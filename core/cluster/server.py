@@ -10,6 +10,7 @@ lookups while it applies. A request it cannot serve fails that worker with the r
 
 from __future__ import annotations
 
+import pathlib
 import threading
 import time
 import uuid
@@ -22,7 +23,8 @@ from .heartbeat import ChiefGone, ChiefWatch
 from .resolvers import ClusterResolver
 from .shards import HeldShards, Refused
 from .transport import (ABORTED, ASSIGN, BYE, FOREVER, LOAD, LOOKUP, OPTIMIZER, PULL,
-                        PUSH_PULL, REFUSED, REGISTER, STATE, BoundedStore, Channel,
+                        PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, BoundedStore,
+                        Channel,
                         DuplicateTask, agree, connect_store, decode, encode, gloo_device, in_native,
                         pack_state, poll_until, store_host, transport_error, unpack_state)
 
@@ -166,6 +168,13 @@ class ParameterServer:
                 shards.values()
         if op == ASSIGN:
             shards.assign(decode(payload[0]), payload[1], payload[2:])
+            return []
+        if op == SAVE:
+            meta = decode(payload[0])
+            return [encode(shards.save(pathlib.Path(meta["folder"]), meta["name"]))]
+        if op == RESTORE:
+            meta = decode(payload[0])
+            shards.restore(pathlib.Path(meta["folder"]), meta["sources"], meta["version"])
             return []
         if op == OPTIMIZER:
             shards.make_optimizer(decode(payload[0]))

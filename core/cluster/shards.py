@@ -14,11 +14,13 @@ gradient buffer per table that only the pushed rows are written into and cleared
 from __future__ import annotations
 
 import collections
+import pathlib
 import threading
 
 import torch
 
 from .optimizer_spec import (OptimizerRefused, apply_settings, optimizer_class, sparse_exact)
+from .shard_files import ShardFile, ShardFileError, write_file
 from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
 
 __all__ = ["HeldShards", "Refused", "LOG_LIMIT"]
@@ -247,6 +249,86 @@ class HeldShards:
                     "order": order, "groups": list(self._group_index),
                     "version": self.version}
 
+    # -- checkpoints by shard --------------------------------------------------------------
+    def save(self, folder: pathlib.Path, name: str) -> dict:
+        """Write this ps's shards and their optimizer slots to ``folder/name`` (the apply
+        lock held: values and slots of one version); returns the file's record and what
+        it holds (``shards``: key, variable, first row, rows, shape, dtype, slots)."""
+        with self._lock:
+            tensors, entries = {}, []
+            for shard, table in sorted(self._vars.items()):
+                spec, key = self._specs[shard], f"s{shard}"
+                tensors[key] = table.detach()
+                slots = {}
+                for slot, value in self._slots_of(table).items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"{key}/{slot}"], slots[slot] = value.detach(), "tensor"
+                    elif isinstance(value, (bool, int, float)):
+                        kind = "int" if isinstance(value, int) else "float"
+                        tensors[f"{key}/{slot}"] = torch.tensor(
+                            value, dtype=torch.int64 if kind == "int" else torch.float64)
+                        slots[slot] = kind
+                entries.append({"key": key, "var": spec["var"], "start": spec["start"],
+                                "rows": spec["shape"][0] if spec["shape"] else 1,
+                                "shape": list(spec["shape"]), "dtype": spec["dtype"],
+                                "slots": slots})
+            meta = {"ps": self.task_id, "version": self.version, "shards": entries}
+            record = write_file(folder, name, tensors, meta)
+        return {**record, "ps": self.task_id, "version": self.version, "shards": entries}
+
+    def _slots_of(self, table: torch.Tensor) -> dict:
+        if self._optimizer is None:
+            return {}
+        return self._optimizer.state.get(table, {})
+
+    def restore(self, folder: pathlib.Path, sources: list[dict], version: int) -> None:
+        """Take every shard's rows and slots from the checkpoint files ``sources`` (each
+        ``{"file", "sha256", "shards": [...]}``, as :meth:`save` described them, whatever
+        ps or sharding wrote them): only the rows this ps holds are read."""
+        with self._lock, torch.no_grad():
+            opened: dict[str, ShardFile] = {}
+            for shard, table in self._vars.items():
+                spec = self._specs[shard]
+                start, stop = spec["start"], spec["start"] + (spec["shape"][0]
+                                                             if spec["shape"] else 1)
+                slots: dict = {}
+                for source, entry in _overlapping(sources, spec["var"], start, stop):
+                    if source["file"] not in opened:
+                        opened[source["file"]] = ShardFile(folder / source["file"],
+                                                           source["sha256"])
+                    self._restore_rows(opened[source["file"]], entry, table, start, stop,
+                                       slots)
+                if slots and self._optimizer is not None:
+                    self._optimizer.state[table] = slots
+            self.version = version
+
+    def _restore_rows(self, file: ShardFile, entry: dict, table: torch.Tensor, start: int,
+                      stop: int, slots: dict) -> None:
+        """The rows of ``entry`` (a saved shard) that fall in ``start:stop`` into
+        ``table`` (this ps's shard from ``start``), and into ``slots`` its optimizer's."""
+        a, b = max(start, entry["start"]), min(stop, entry["start"] + entry["rows"])
+        key, local = entry["key"], (a - entry["start"], b - entry["start"])
+        if key not in file.keys or file.shape(key) != entry["shape"]:
+            raise ShardFileError(f"checkpoint file {str(file.path)!r}: {key} is not the "
+                                 f"{entry['dtype']} {entry['shape']} its index says")
+        if table.dim():
+            table[a - start:b - start] = file.rows(key, *local)
+        else:
+            table.copy_(file.rows(key, 0, 1))
+        for slot, kind in entry["slots"].items():
+            saved = f"{key}/{slot}"
+            if saved not in file.keys:
+                raise ShardFileError(f"checkpoint file {str(file.path)!r} lacks {saved}, "
+                                     "which its index lists")
+            if kind != "tensor":
+                value = file.rows(saved, 0, 0)
+                slots.setdefault(slot, int(value) if kind == "int" else float(value))
+            elif file.shape(saved) == entry["shape"] and table.dim():
+                into = slots.setdefault(slot, torch.zeros_like(table))
+                into[a - start:b - start] = file.rows(saved, *local)
+            else:  # a per-variable scalar (a step count): the same in every shard
+                slots.setdefault(slot, file.rows(saved, 0, 0).clone())
+
     def load_state_dict(self, state: dict) -> None:
         with self._lock, torch.no_grad():
             for i, value in state["values"].items():
@@ -254,3 +336,13 @@ class HeldShards:
             if state.get("optimizer") is not None and self._optimizer is not None:
                 self._optimizer.load_state_dict(state["optimizer"])
             self.version = int(state.get("version", 0))
+
+
+def _overlapping(sources: list[dict], var: int, start: int, stop: int):
+    """(source, entry) of every saved shard of variable ``var`` with rows in
+    ``start:stop``, in row order."""
+    found = [(entry["start"], source, entry) for source in sources
+             for entry in source["shards"] if entry["var"] == var
+             and entry["start"] < stop and entry["start"] + entry["rows"] > start
+             or entry["var"] == var and entry["rows"] == 0 == stop - start]
+    return [(source, entry) for _, source, entry in sorted(found, key=lambda f: f[0])]

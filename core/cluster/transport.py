@@ -40,7 +40,7 @@ from . import store_keys
 __all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
 
 (REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED, LOOKUP,
- ASSIGN) = range(1, 12)
+ ASSIGN, SAVE, RESTORE) = range(1, 14)
 _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
