@@ -198,6 +198,21 @@ def test_per_replica_batches_work_in_a_cluster_and_divide_among_all_its_replicas
     assert problem.path == "dataset.steps.0.size" and "among 2 replicas" in problem.message
 
 
+@pytest.mark.parametrize("size, workers, ok", [(1, 2, False), (2, 2, True), (4, 3, False),
+                                              (5, 3, True), (3, 2, True)])
+def test_a_global_batch_that_leaves_a_worker_nothing_is_refused(size, workers, ok):
+    cluster = {"worker": [f"127.0.0.1:{2223 + i}" for i in range(workers)],
+               "ps": ["127.0.0.1:2222"]}
+    overrides = [f"dataset.steps.0.size={size}"]
+    if ok:
+        load(overrides=overrides, environ=tf_config(cluster))
+        return
+    (problem,) = problems(overrides=overrides, environ=tf_config(cluster))
+    assert problem.path == "dataset.steps.0.size"
+    assert f"a global batch of {size} over {workers} workers leaves the last worker no " \
+           "example in any step" in problem.message
+
+
 def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
     # else the ps tasks serve forever and the other workers wait for the chief's init
     from csrun.core.runner import cluster_role as cluster_runner
