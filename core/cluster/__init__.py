@@ -2,6 +2,7 @@
 ``ParameterServerStrategy``. Imports only from :mod:`csrun.core.distribute` below it.
 """
 
+from .embedding_collection import EmbeddingBagCollection
 from .launchers import TorchrunClusterResolver
 from .parameter_server_strategy import ParameterServerStrategy
 from .sharded_variable import FixedShardsPartitioner, MinSizePartitioner, Partitioner
@@ -18,4 +19,5 @@ __all__ = [
     "Partitioner",
     "FixedShardsPartitioner",
     "MinSizePartitioner",
+    "EmbeddingBagCollection",
 ]

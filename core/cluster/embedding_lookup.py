@@ -48,6 +48,8 @@ class RowTable:
     fetch: Callable[[torch.Tensor], torch.Tensor]
     assign: Callable[[torch.Tensor, torch.Tensor], None]
     weight: Callable[[], torch.Tensor]  # what the backward's sparse gradient goes to
+    # rows of several tables (var, sorted unique ids), in one request per ps
+    fetch_many: Callable[[list], list] | None = None
 
     def read_all(self) -> torch.Tensor:
         with torch.no_grad():
@@ -122,19 +124,32 @@ class _Rows(torch.autograd.Function):
         return sparse, None, None
 
 
-def _rows_for(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
-    """(input remapped to the fetched rows, the rows, padding_idx remapped)."""
+def unique_ids(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
+    """The sorted unique ids of ``input`` (checked against the table's rows), and
+    ``input`` as positions among them."""
     unique, inverse = torch.unique(input, return_inverse=True)
     for row in (unique[:1], unique[-1:]):
         if row.numel() and not 0 <= int(row) < table.shape[0]:
             raise IndexError(f"index out of range in self: {type(module).__name__} has "
                              f"{table.shape[0]} rows, the input holds row {int(row)}")
-    rows = _Rows.apply(table.weight(), unique, table.fetch(unique))
+    return unique, inverse
+
+
+def looked_up(module: torch.nn.Module, table: RowTable, unique: torch.Tensor,
+              fetched: torch.Tensor):
+    """The fetched rows, differentiable into the table, and padding_idx among them."""
+    rows = _Rows.apply(table.weight(), unique, fetched)
     pad = None
     if module.padding_idx is not None:
         hit = (unique == module.padding_idx).nonzero()
         pad = int(hit[0]) if len(hit) else None
-    return inverse, rows, pad
+    return rows, pad
+
+
+def _rows_for(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
+    """(input remapped to the fetched rows, the rows, padding_idx remapped)."""
+    unique, inverse = unique_ids(module, table, input)
+    return (inverse, *looked_up(module, table, unique, table.fetch(unique)))
 
 
 def _embedding_forward(module: torch.nn.Embedding, table: RowTable):
@@ -147,11 +162,15 @@ def _embedding_forward(module: torch.nn.Embedding, table: RowTable):
 
 def _bag_forward(module: torch.nn.EmbeddingBag, table: RowTable):
     def forward(input, offsets=None, per_sample_weights=None):
-        inverse, rows, pad = _rows_for(module, table, input)
-        return F.embedding_bag(inverse, rows, offsets, None, module.norm_type,
-                               module.scale_grad_by_freq, module.mode, False,
-                               per_sample_weights, module.include_last_offset, pad)
+        return bag(module, *_rows_for(module, table, input), offsets, per_sample_weights)
     return forward
+
+
+def bag(module: torch.nn.EmbeddingBag, inverse, rows, pad, offsets, per_sample_weights):
+    """``module``'s bags of the looked-up ``rows`` (``inverse``: the input's positions)."""
+    return F.embedding_bag(inverse, rows, offsets, None, module.norm_type,
+                           module.scale_grad_by_freq, module.mode, False,
+                           per_sample_weights, module.include_last_offset, pad)
 
 
 _UNREAD = threading.local()  # .active: state_dict() leaves the served tables out

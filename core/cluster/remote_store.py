@@ -92,7 +92,8 @@ class RemoteParameterStore(ParameterStore):
             central = tensors[var]
             self.tables[var] = RowTable(var, tuple(central.shape), central.dtype,
                                         var in self._sparse, self._fetcher(var),
-                                        self._assigner(var), self._weight(central))
+                                        self._assigner(var), self._weight(central),
+                                        self.fetch_many)
             self._row_served.add(id(central))
             serve_by_rows(module, self.tables[var])
         # never served ahead to a replica: a read of one there is refused (check_device)
@@ -144,21 +145,39 @@ class RemoteParameterStore(ParameterStore):
     # -- rows ------------------------------------------------------------------------------
     def _fetcher(self, var: int):
         def fetch(ids: torch.Tensor) -> torch.Tensor:
+            return self.fetch_many([(var, ids)])[0]
+        return fetch
+
+    def fetch_many(self, wanted: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """The rows ``ids`` (sorted, unique) of each table ``var`` of ``wanted``, in one
+        request per ps for all of them, every ps at once (one per dtype, if they differ)."""
+        dtypes = {self.tables[var].dtype for var, _ in wanted}
+        if len(dtypes) > 1:
+            rows = {}
+            for dtype in dtypes:
+                part = [(i, w) for i, w in enumerate(wanted) if self.tables[w[0]].dtype == dtype]
+                rows.update(zip([i for i, _ in part], self.fetch_many([w for _, w in part])))
+            return [rows[i] for i in range(len(wanted))]
+        requests: list[list] = [[] for _ in range(self.client.num_ps)]
+        routed = []
+        for var, ids in wanted:
+            parts = [(shard, where) for shard, where in self.plan.split_rows(var, ids)
+                     if len(where)]
+            for shard, where in parts:
+                requests[shard.ps].append((shard.id, ids[where] - shard.start))
+            routed.append(parts)
+        # a step's lookups count as what it moved, not an evaluation's or a state_dict's
+        # (its reads run without gradients)
+        answers = self.client.lookup(requests, self.tables[wanted[0][0]].dtype,
+                                     torch.is_grad_enabled())
+        out = []
+        for (var, ids), parts in zip(wanted, routed):
             shape = self.plan.shapes[var]
             rows = torch.empty((len(ids), *shape[1:]), dtype=self.tables[var].dtype)
-            parts = self.plan.split_rows(var, ids)
-            requests: list[list] = [[] for _ in range(self.client.num_ps)]
             for shard, where in parts:
-                if len(where):
-                    requests[shard.ps].append((shard.id, ids[where] - shard.start))
-            # a step's lookups count as what it moved, not an evaluation's or a
-            # state_dict's (its reads run without gradients)
-            answers = self.client.lookup(requests, rows.dtype, torch.is_grad_enabled())
-            for shard, where in parts:
-                if len(where):
-                    rows[where] = answers[shard.ps].pop(0).view(len(where), *shape[1:])
-            return rows
-        return fetch
+                rows[where] = answers[shard.ps].pop(0).view(len(where), *shape[1:])
+            out.append(rows)
+        return out
 
     def _assigner(self, var: int):
         def assign(ids: torch.Tensor, rows: torch.Tensor) -> None:

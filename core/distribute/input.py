@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .jagged import JaggedTensor
 from .values import PerReplica, flatten, map_structure, regroup
 
 __all__ = [
@@ -152,7 +153,7 @@ class PerReplicaSpec(tuple):
 
 # -- splitting --------------------------------------------------------------------------
 def _leaf_tensor(leaf: Any) -> torch.Tensor:
-    if isinstance(leaf, torch.Tensor):
+    if isinstance(leaf, (torch.Tensor, JaggedTensor)):  # jagged ids split by examples too
         return leaf
     if isinstance(leaf, (np.ndarray, np.generic)):  # host data, whatever the default device
         return torch.as_tensor(leaf, device="cpu")
