@@ -31,22 +31,29 @@ DIM, DENSE = 32, 13
 SPARSE = os.environ.get("PS_STEP_SPARSE", "1") == "1"  # the tables' sparse=
 
 
-def build_model():
+def build_model(collected: bool):
     import torch.nn as nn
     import torch
+    if collected:
+        from csrun.core import EmbeddingBagCollection
 
     class WideAndDeep(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tables = nn.ModuleList(nn.EmbeddingBag(rows, DIM, mode="sum", sparse=SPARSE)
-                                        for rows in TABLES)
+            tables = {f"t{i}": nn.EmbeddingBag(rows, DIM, mode="sum", sparse=SPARSE)
+                      for i, rows in enumerate(TABLES)}
+            self.tables = EmbeddingBagCollection(tables) if collected else \
+                nn.ModuleDict(tables)
             self.wide = nn.Linear(DENSE, 1)
             self.deep = nn.Sequential(nn.Linear(len(TABLES) * DIM + DENSE, 256), nn.ReLU(),
                                       nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 1))
 
-        def forward(self, dense, *features):
-            bags = [t(ids, offsets) for t, (ids, offsets) in
-                    zip(self.tables, zip(features[::2], features[1::2]))]
+        def forward(self, dense, features):
+            if collected:  # one lookup per ps for every table
+                pooled = self.tables(features)
+            else:  # one lookup per table, as a model that calls its tables does
+                pooled = {name: self.tables[name](*ids) for name, ids in features.items()}
+            bags = [pooled[f"t{i}"] for i in range(len(TABLES))]
             return (self.wide(dense) + self.deep(torch.cat([dense, *bags], 1))).squeeze(1)
 
     return WideAndDeep()
@@ -60,19 +67,27 @@ def zipf(rows: int, count: int, generator):
     return ((rank.long().clamp_(1, rows) - 1) * 2_147_483_647) % rows
 
 
-def batches(count: int, batch: int, seed: int):
-    """(dense, labels, ids0, offsets0, ids1, offsets1, ...) per batch; jagged bags."""
+def batches(count: int, batch: int, seed: int, collected: bool):
+    """(dense, labels, {table: ids}) per batch, multi-hot bags of 1..HOTNESS ids: a
+    JaggedTensor each for a collection, else (flat ids, offsets) as EmbeddingBag takes
+    them (one local replica: the batch is not split, and csrun before JaggedTensor
+    runs it too)."""
     import torch
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
         dense = torch.randn(batch, DENSE, generator=g)
-        features = []
-        for rows, hot in zip(TABLES, HOTNESS):
+        features = {}
+        for i, (rows, hot) in enumerate(zip(TABLES, HOTNESS)):
             lengths = torch.randint(1, hot + 1, (batch,), generator=g)
+            ids = zipf(rows, int(lengths.sum()), g)
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
-            features += [zipf(rows, int(lengths.sum()), g), offsets]
-        out.append((dense, (dense[:, 0] > 0).float(), *features))
+            if collected:
+                from csrun.core import JaggedTensor
+                features[f"t{i}"] = JaggedTensor.from_lengths(ids, lengths)
+            else:
+                features[f"t{i}"] = (ids, offsets)
+        out.append((dense, (dense[:, 0] > 0).float(), features))
     return out
 
 
@@ -97,13 +112,13 @@ def task(args) -> None:
         return
     torch.manual_seed(0)
     with strategy.scope():
-        model = build_model()
+        model = build_model(args.collected)
         optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
-    data = batches(args.warmup + args.steps, args.batch, me["index"] + 1)
+    data = batches(args.warmup + args.steps, args.batch, me["index"] + 1, args.collected)
 
-    def step(dense, labels, *features):
+    def step(dense, labels, features):
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            model(dense, *features), labels, reduction="sum") / args.batch
+            model(dense, features), labels, reduction="sum") / args.batch
         loss.backward()
         return loss.detach()
 
@@ -146,6 +161,7 @@ def run_layout(workers: int, ps: int, args, folder: Path) -> float:
         argv = [sys.executable, __file__, "--task", "--result", str(result), "--barrier",
                 str(gate), "--parties", str(workers), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--batch", str(args.batch)] + (
+            ["--collected"] if args.collected else []) + (
             ["--profile", args.profile] if args.profile else [])
         procs.append(subprocess.Popen(argv, env=env))
         if args.spy and index == 0:  # py-spy samples every thread (cProfile one)
@@ -174,6 +190,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=512, help="examples per worker step")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--collected", action="store_true",
+                        help="the tables in an EmbeddingBagCollection (one lookup per ps)")
     parser.add_argument("--profile", help="folder for cProfile files of worker0 and ps0")
     parser.add_argument("--spy", help="folder for py-spy samples of worker0 and ps0")
     parser.add_argument("--json")

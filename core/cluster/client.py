@@ -60,6 +60,7 @@ class ParameterServerClient:
     def __init__(self, resolver: ClusterResolver, coordinator: JobCoordinator,
                  timeout: float = 120.0, stop: threading.Event | None = None):
         self.task, self.num_ps = coordinator.task, coordinator.num_ps
+        self._coordinator = coordinator
         self._timeout, self._stop = timeout, stop
         self._moved = [[0, 0] for _ in range(self.num_ps)]  # bytes sent, received per ps
         self.steps = 0  # optimizer steps this process pushed
@@ -97,6 +98,9 @@ class ParameterServerClient:
             except ParameterServerError:
                 raise
             except RuntimeError as exc:
+                ended = self._coordinator.ended_why()  # the chief ended the job: its reason
+                if ended is not None:
+                    raise ParameterServerError(f"the chief ended the job: {ended}") from None
                 raise stopped_answering(self._ps_names[k], self.task, exc) from None
         return {k: self._answer(k, *answer) for k, answer in answers.items()}
 

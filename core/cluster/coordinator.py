@@ -88,7 +88,8 @@ class JobCoordinator:
                 raise DuplicateTask(f"{self.task} already did its part of this job (another "
                                     f"process started as {self.task} finished); start each "
                                     "task once")
-            if self._died(int(owner)):
+            died = keys.lost_incarnation(self.task)  # the ps tasks saw it (or later) die
+            if self._set(died) and int(self.store.get(died)) >= int(owner):
                 self.store.compare_set(key, owner, mine)
                 continue
             if time.monotonic() > deadline:
@@ -98,11 +99,6 @@ class JobCoordinator:
             if self.stop is not None and self.stop.is_set():
                 raise Stopped(f"the other {self.task} to go")
             time.sleep(0.1)
-
-    def _died(self, incarnation: int) -> bool:
-        """Whether the ps tasks saw ``incarnation`` of this task (or a later one) die."""
-        key = keys.lost_incarnation(self.task)
-        return self._set(key) and int(self.store.get(key)) >= incarnation
 
     def _set(self, key: str) -> bool:
         return bool(self.store.check([key]))
@@ -141,14 +137,21 @@ class JobCoordinator:
         global step is their sum."""
         for task, step in steps.items():
             self.store.set(keys.steps(task), str(int(step)))
-        self.set_global_step(sum(steps.values()))
+        self.store.set(keys.GLOBAL_STEP, "0")
 
     def set_global_step(self, step: int) -> None:
-        self.store.set(keys.GLOBAL_STEP, str(int(step)))
+        """A restored job whose checkpoint has no worker's steps (an earlier csrun's, by
+        ps task): the global step it held."""
+        self.store.set(keys.GLOBAL_STEP, str(int(step) - self._summed()))
 
     @property
     def global_step(self) -> int:
-        return self.store.add(keys.GLOBAL_STEP, 0)
+        """Pushes applied, every worker's together: the sum of their counts (one store
+        add per push, where it is applied), plus what an old checkpoint held."""
+        return self.store.add(keys.GLOBAL_STEP, 0) + self._summed()
+
+    def _summed(self) -> int:
+        return sum(self.steps_done(task) or 0 for task in self.workers)
 
     def publish_transfers(self, stats: dict) -> None:
         """Leave this worker's bytes moved where the chief reads them."""
@@ -255,6 +258,16 @@ class JobCoordinator:
                                        f"within {timeout:g} s; is it running?")
         return json.loads(self.store.get(keys.INITIALIZED))
 
+    def ended_why(self) -> str | None:
+        """Why the chief ended the job after a failure, if it did and the store still
+        answers (a channel that broke then is the job's end, not a failing ps)."""
+        try:
+            if self._set(keys.ABORTED):
+                return self.store.get(keys.ABORTED).decode()
+        except RuntimeError:  # ParameterServerError too: the store is gone as well
+            pass
+        return None
+
     def abort(self, reason: str) -> None:
         """Chief: end the job after a failure; each ps answers the workers' next
         message with ``reason`` (they fail with it) and stops."""
@@ -327,9 +340,9 @@ class ServerBooks:
         self.store.set(keys.lost(worker), why[:500])
 
     def count(self, worker: str) -> None:
-        """A push of ``worker`` was applied here, the ps that counts its steps."""
+        """A push of ``worker`` was applied here, the ps that counts its steps (one store
+        call: the global step is the workers' sum)."""
         self.store.add(keys.steps(worker), 1)
-        self.store.add(keys.GLOBAL_STEP, 1)
 
     def stopped(self, log: dict) -> None:
         self.store.set(keys.ps_log(self.task_id), json.dumps(log))

@@ -193,9 +193,11 @@ class ServedModel:
             _UNREAD.active = False
 
     def load_state_dict(self, state: dict) -> None:
-        served = {name for name, module in self.model.named_modules()
-                  if getattr(module, "csrun_row_table", None) is not None
-                  for name in [f"{name}.weight" if name else "weight"]}
+        # the tables that would be served by rows (they may not be yet: a run registers
+        # its variables when it first runs); the ps tasks restore them
+        served = {f"{name}.weight" if name else "weight"
+                  for name, module in self.model.named_modules()
+                  if isinstance(module, _LOOKUP_MODULES)}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [key for key in missing if key not in served]
         if missing or unexpected:

@@ -257,11 +257,6 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         """The tasks that train: ``chief:0`` (if any), then ``worker:0``, ``worker:1`` ..."""
         return list(self._worker_tasks)
 
-    def other_workers(self) -> list[str]:
-        """The tasks that train, but this one."""
-        me = f"{self._task_type}:{self._task_id}"
-        return [t for t in self._worker_tasks if t != me]
-
     def wait_for_workers(self, timeout: float | None = None,
                          report: Callable[[str, str], None] | None = None) -> list[str]:
         """Chief: wait until every other worker finished or was lost, then pull the
@@ -279,8 +274,8 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         if self._lost is None:
             coordinator = self.coordinator
             try:
-                self._lost = coordinator.wait_for_workers(self.other_workers(), timeout,
-                                                          report)
+                others = [t for t in self._worker_tasks if t != coordinator.task]
+                self._lost = coordinator.wait_for_workers(others, timeout, report)
             except Stopped:
                 self._lost = sorted(coordinator.lost_workers())  # finish() waits no more
                 raise

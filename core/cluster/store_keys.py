@@ -19,7 +19,7 @@ ABORTED = "job/aborted"          # why the chief (or a ps) ended the job after a
 DONE = "job/done"                # the chief ends the job: the ps tasks stop serving
 CLOSED = "job/closed"            # the chief read the ps logs: ps:0 (the store) may go
 BEAT = "chief/beat"              # the chief's heartbeat counter
-GLOBAL_STEP = "global_step"      # pushes applied, all workers together (a counter)
+GLOBAL_STEP = "global_step"      # what the workers' steps do not hold (an old checkpoint's)
 
 
 def ps_ready(k: int) -> str:

@@ -353,7 +353,9 @@ class ClusterRole:
         the ps tasks hold, and the run is interrupted)."""
         if not self.is_chief:
             return
-        waiting = [t for t in self.ext.coordinator.unfinished(self.ext.other_workers()) if t not in self._reported]
+        coordinator = self.ext.coordinator
+        others = [t for t in self.ext.worker_tasks if t != coordinator.task]
+        waiting = [t for t in coordinator.unfinished(others) if t not in self._reported]
         if waiting:
             self.emit(Notice(f"waiting for {', '.join(waiting)} to finish (each counts as "
                              f"lost after {self.config.strategy.timeout_s:g} s without an "
