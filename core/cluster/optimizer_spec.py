@@ -1,8 +1,8 @@
 """The optimizer a ps task builds: what a worker sends of its own optimizer, and what
 the ps makes of it.
 
-The class travels as ``module:qualname`` (a user's subclass as itself: the ps imports
-it, as it runs the same program), the settings of every param group as JSON; each push
+The class travels as ``module:qualname`` (a user's subclass as itself: the ps finds it
+among the modules it imported, as it runs the same program), the settings of every param group as JSON; each push
 carries the groups' settings again when they changed, so whatever a schedule changes
 (``lr``, momentum, betas, ...) reaches the ps. A setting that cannot travel, or a class
 the ps cannot import, is refused before training.
@@ -10,8 +10,8 @@ the ps cannot import, is refused before training.
 
 from __future__ import annotations
 
-import importlib
 import math
+import sys
 
 import torch
 
@@ -37,7 +37,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, var_groups: dict[int, int],
     if "<locals>" in cls.__qualname__ or _resolve(class_path(cls)) is not cls:
         raise OptimizerRefused(
             f"{cls.__qualname__} (from {cls.__module__}) cannot be built on the ps tasks: "
-            "a ps imports an optimizer class by its module and name, and this one is not "
+            "a ps finds an optimizer class by its module and name, and this one is not "
             "found there (defined inside a function?); define it at the top level of a "
             "module every task imports")
     groups = group_settings(optimizer)
@@ -71,9 +71,10 @@ def optimizer_class(path: str) -> type:
     """The optimizer class named ``module:qualname`` (a ps, building its optimizer)."""
     cls = _resolve(path)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise OptimizerRefused(f"optimizer {path!r} cannot be imported on this ps task, or "
-                               "is not a torch.optim.Optimizer; every task must run the "
-                               "same program")
+        raise OptimizerRefused(f"optimizer {path!r} is not among the modules this ps task "
+                               "imported, or is not a torch.optim.Optimizer; every task must "
+                               "run the same program (import the optimizer's module on the "
+                               "ps tasks too)")
     return cls
 
 
@@ -81,12 +82,12 @@ def _resolve(path: str):
     module, colon, name = path.partition(":")
     if not colon:  # a torch.optim class by its name alone
         module, name = "torch.optim", path
-    try:
-        value = importlib.import_module(module)
-        for part in name.split("."):
-            value = getattr(value, part)
-    except (ImportError, AttributeError, ValueError):
-        return None
+    # only a module this process has imported already: a request never makes a ps
+    # import code (config/targets.py's import_object is csrun's one dynamic import); a
+    # ps runs the same program as the workers, which imported the optimizer's module
+    value = sys.modules.get(module)
+    for part in name.split("."):
+        value = getattr(value, part, None)
     return value
 
 
