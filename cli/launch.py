@@ -41,7 +41,8 @@ def launch(
     on loopback, each with its own TF_CONFIG; their output prefixed by task.
 
     Exit codes: 0 the chief and every ps finished (a worker lost to a signal is reported,
-    not fatal), 1 the job failed: a task failed (naming the first), 2 bad config or usage (nothing started), 130/143
+    not fatal), 1 the job failed: a task failed (naming the first), 2 bad config or usage
+    (nothing started), 130/143
     stopped by Ctrl-C/SIGTERM (the chief saves a checkpoint first).
     """
     # csrun.core (torch) and the rendering are imported when the command runs, not with

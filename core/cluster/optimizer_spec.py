@@ -2,7 +2,8 @@
 the ps makes of it.
 
 The class travels as ``module:qualname`` (a user's subclass as itself: the ps finds it
-among the modules it imported, as it runs the same program), the settings of every param group as JSON; each push
+among the modules it imported, as it runs the same program), the settings of every
+param group as JSON; each push
 carries the groups' settings again when they changed, so whatever a schedule changes
 (``lr``, momentum, betas, ...) reaches the ps. A setting that cannot travel, or a class
 the ps cannot import, is refused before training.

@@ -68,7 +68,8 @@ def check_index(index, plan: ShardingPlan, dtypes: list[str], workers: list[str]
         raise CheckpointIndexError(f"checkpoint {path!r}: ps.steps is not a mapping of workers")
     for task, value in steps.items():
         if task not in workers and not (isinstance(task, str) and task.count(":") == 1):
-            raise CheckpointIndexError(f"checkpoint {path!r}: ps.steps names {task!r:.40}, not a task")
+            raise CheckpointIndexError(f"checkpoint {path!r}: ps.steps names {task!r:.40}, "
+                                       "not a task")
         _count(value, f"steps.{task}", path)
     _count(index.get("version"), "version", path)
 
@@ -114,11 +115,11 @@ def _check_covered(var: int, pieces: list, shape: list, path: str) -> None:
     rows, at = (shape[0] if shape else 1), 0
     for start, stop, where in pieces:
         if start != at:
-            raise CheckpointIndexError(f"checkpoint {path!r}: ps.{where}.start is {start}; variable "
-                              f"{var}'s rows {at}..{start - 1} are in no shard"
-                              if start > at else
-                              f"checkpoint {path!r}: ps.{where} holds rows {start}..{stop - 1}"
-                              f" of variable {var} again")
+            raise CheckpointIndexError(
+                f"checkpoint {path!r}: ps.{where}.start is {start}; variable {var}'s rows "
+                f"{at}..{start - 1} are in no shard" if start > at else
+                f"checkpoint {path!r}: ps.{where} holds rows {start}..{stop - 1} of "
+                f"variable {var} again")
         at = stop
     if at != rows:
         raise CheckpointIndexError(f"checkpoint {path!r}: ps.files hold {at} of variable {var}'s "

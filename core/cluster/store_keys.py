@@ -9,7 +9,8 @@ protocol between the ps tasks (:mod:`.server`), the workers' coordinator
 from __future__ import annotations
 
 __all__ = [
-    "INITIALIZED", "ABORTED", "DONE", "CLOSED", "BEAT", "GLOBAL_STEP", "ps_ready", "ps_joins", "ps_join",
+    "INITIALIZED", "ABORTED", "DONE", "CLOSED", "BEAT", "GLOBAL_STEP", "ps_ready", "ps_joins",
+    "ps_join",
     "ps_log", "ps_stopped", "channel", "incarnation", "owner", "finished", "lost",
     "lost_incarnation", "steps", "transfers", "agreed",
 ]
