@@ -7,8 +7,8 @@ writes its output to ``<logs>/<job>-<index>.stdout.log`` and ``.stderr.log`` (so
 outlives a launcher that dies); the launcher follows the files and reports every line,
 waits, and judges the job: a task that fails with an error of its own, the chief or a ps
 fails it; a worker lost to a signal does not (TF's rule; the chief reports it). Without
-``--logs`` the logs go to a temporary folder,
-removed when the job went well (kept when it failed or lost a worker).
+``--logs`` the logs go to a temporary folder, removed when the job went well (kept when
+it failed or lost a worker).
 
 Signals: the first Ctrl-C or SIGTERM goes to every task (workers stop after their step,
 the chief saves a checkpoint and ends the job, the ps tasks serve until then); a second
