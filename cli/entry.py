@@ -92,8 +92,14 @@ def _follow_launcher(pid: str | None) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # no prctl here: the launcher's own checks remain
         return
-    if str(os.getppid()) != pid:  # it died before the line above
+    parent = os.getppid()
+    if parent == 1:  # the launcher died before the line above (its orphan went to init)
         _stop_now(signal.SIGTERM, None)
+    elif str(parent) != pid:  # started by hand with a launcher's environment: not its task
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0)
+        sys.stderr.write(fitted(f"note: CSRUN_LAUNCHER_PID={pid} is not this process's "
+                                "parent (started by hand from a launched task's "
+                                "environment?): it does not stop with that launcher") + "\n")
 
 
 def _stop_now(signum: int, frame) -> None:

@@ -40,8 +40,9 @@ def launch(
     """Launch a parameter-server job on this machine: one `csrun train` process per task,
     on loopback, each with its own TF_CONFIG; their output prefixed by task.
 
-    Exit codes: 0 the chief and every ps finished (a lost worker is reported, not fatal),
-    1 the job failed (naming the task), 2 bad config or usage (nothing started), 130/143
+    Exit codes: 0 the chief and every ps finished (a worker lost to a signal is reported,
+    not fatal), 1 the job failed: a task failed (naming the first), 2 bad config or usage
+    (nothing started), 130/143
     stopped by Ctrl-C/SIGTERM (the chief saves a checkpoint first).
     """
     # csrun.core (torch) and the rendering are imported when the command runs, not with

@@ -24,9 +24,11 @@ aggregation
 
 import importlib.metadata as _metadata
 
-from .cluster import (ClusterResolver, ClusterSpec, FixedShardsPartitioner,
-                      MinSizePartitioner, ParameterServerStrategy, Partitioner,
-                      SimpleClusterResolver, TFConfigClusterResolver, TorchrunClusterResolver)
+from .cluster import (ClusterResolver, ClusterSpec, EmbeddingBagCollection,
+                      FixedShardsPartitioner, MinSizePartitioner, ParameterServerStrategy,
+                      Partitioner, SimpleClusterResolver, TFConfigClusterResolver,
+                      TorchrunClusterResolver)
+from .distribute.jagged import JaggedTensor
 from . import distribute
 from .distribute import (
     CentralStorageStrategy, DataParallel, ParameterServerStrategyExtended, Strategy,
@@ -42,7 +44,8 @@ from .distribute import (
 
 __all__ = ["ParameterServerStrategy", "ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
            "TFConfigClusterResolver", "TorchrunClusterResolver", "Partitioner",
-           "FixedShardsPartitioner", "MinSizePartitioner"]
+           "FixedShardsPartitioner", "MinSizePartitioner", "EmbeddingBagCollection",
+           "JaggedTensor"]
 __all__ += distribute.__all__  # the engine's names, listed once, in csrun.core.distribute
 
 # the installed distribution's version: one number, kept in pyproject.toml

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..distribute import torch_internals
 
-__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "find_tables", "serve_by_rows",
+__all__ = ["SPARSE_OPTIMIZERS", "RowTable", "ServedModel", "find_tables", "serve_by_rows",
            "sparse_update_problem", "table_label"]
 
 # torch optimizers with a sparse update (checked against torch by the tests)
@@ -50,6 +50,8 @@ class RowTable:
     fetch: Callable[[torch.Tensor], torch.Tensor]
     assign: Callable[[torch.Tensor, torch.Tensor], None]
     weight: Callable[[], torch.Tensor]  # what the backward's sparse gradient goes to
+    # rows of several tables (var, sorted unique ids), in one request per ps
+    fetch_many: Callable[[list], list] | None = None
 
     def read_all(self) -> torch.Tensor:
         with torch.no_grad():
@@ -69,7 +71,10 @@ def sparse_update_problem(cls: type, groups: list[dict]) -> str | None:
         weight.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 2),
                                               (4, 2), check_invariants=False)
         try:
-            cls([{**settings, "params": [weight]}]).step()
+            # the gradient is ours, its ids made above: torch's invariant check (and its
+            # warning that the check is off) has nothing to add
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):
+                cls([{**settings, "params": [weight]}]).step()
         except (RuntimeError, ValueError, TypeError) as exc:
             return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return None
@@ -121,19 +126,32 @@ class _Rows(torch.autograd.Function):
         return sparse, None, None
 
 
-def _rows_for(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
-    """(input remapped to the fetched rows, the rows, padding_idx remapped)."""
+def unique_ids(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
+    """The sorted unique ids of ``input`` (checked against the table's rows), and
+    ``input`` as positions among them."""
     unique, inverse = torch.unique(input, return_inverse=True)
     for row in (unique[:1], unique[-1:]):
         if row.numel() and not 0 <= int(row) < table.shape[0]:
             raise IndexError(f"index out of range in self: {type(module).__name__} has "
                              f"{table.shape[0]} rows, the input holds row {int(row)}")
-    rows = _Rows.apply(table.weight(), unique, table.fetch(unique))
+    return unique, inverse
+
+
+def looked_up(module: torch.nn.Module, table: RowTable, unique: torch.Tensor,
+              fetched: torch.Tensor):
+    """The fetched rows, differentiable into the table, and padding_idx among them."""
+    rows = _Rows.apply(table.weight(), unique, fetched)
     pad = None
     if module.padding_idx is not None:
         hit = (unique == module.padding_idx).nonzero()
         pad = int(hit[0]) if len(hit) else None
-    return inverse, rows, pad
+    return rows, pad
+
+
+def _rows_for(module: torch.nn.Module, table: RowTable, input: torch.Tensor):
+    """(input remapped to the fetched rows, the rows, padding_idx remapped)."""
+    unique, inverse = unique_ids(module, table, input)
+    return (inverse, *looked_up(module, table, unique, table.fetch(unique)))
 
 
 def _embedding_forward(module: torch.nn.Embedding, table: RowTable):
@@ -146,11 +164,48 @@ def _embedding_forward(module: torch.nn.Embedding, table: RowTable):
 
 def _bag_forward(module: torch.nn.EmbeddingBag, table: RowTable):
     def forward(input, offsets=None, per_sample_weights=None):
-        inverse, rows, pad = _rows_for(module, table, input)
-        return F.embedding_bag(inverse, rows, offsets, None, module.norm_type,
-                               module.scale_grad_by_freq, module.mode, False,
-                               per_sample_weights, module.include_last_offset, pad)
+        return bag(module, *_rows_for(module, table, input), offsets, per_sample_weights)
     return forward
+
+
+def bag(module: torch.nn.EmbeddingBag, inverse, rows, pad, offsets, per_sample_weights):
+    """``module``'s bags of the looked-up ``rows`` (``inverse``: the input's positions)."""
+    return F.embedding_bag(inverse, rows, offsets, None, module.norm_type,
+                           module.scale_grad_by_freq, module.mode, False,
+                           per_sample_weights, module.include_last_offset, pad)
+
+
+_UNREAD = threading.local()  # .active: state_dict() leaves the served tables out
+_UNREAD.active = False
+
+
+class ServedModel:
+    """A model's checkpoint entry in a parameter-server job whose checkpoints are by
+    shard: its ``state_dict()`` without the tables served by rows (the ps tasks write
+    those), and a ``load_state_dict()`` that expects them missing."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        _UNREAD.active = True
+        try:
+            return self.model.state_dict()
+        finally:
+            _UNREAD.active = False
+
+    def load_state_dict(self, state: dict) -> None:
+        # the tables that would be served by rows (they may not be yet: a run registers
+        # its variables when it first runs); the ps tasks restore them
+        served = {f"{name}.weight" if name else "weight"
+                  for name, module in self.model.named_modules()
+                  if isinstance(module, _LOOKUP_MODULES)}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [key for key in missing if key not in served]
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for "
+                               f"{type(self.model).__name__}: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
 
 
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
@@ -165,6 +220,7 @@ def serve_by_rows(module: torch.nn.Module, table: RowTable) -> None:
     """Make ``module`` read ``table`` by rows from now on; free its local weight."""
     with torch.no_grad():
         module.weight.data = _placeholder(module.weight)
+    module.csrun_row_table = table
     is_bag = isinstance(module, torch.nn.EmbeddingBag)
     module.forward = _bag_forward(module, table) if is_bag else \
         _embedding_forward(module, table)
@@ -173,7 +229,10 @@ def serve_by_rows(module: torch.nn.Module, table: RowTable) -> None:
 
     def save(mod, state, prefix, local_metadata):
         if prefix + "weight" in state:
-            state[prefix + "weight"] = table.read_all()
+            if _UNREAD.active:  # a checkpoint by shard: the ps tasks write the table
+                del state[prefix + "weight"]
+            else:
+                state[prefix + "weight"] = table.read_all()
 
     def load_pre(mod, state, prefix, *args):
         value = state.pop(prefix + "weight", None)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import threading
 import time
 
+from . import store_keys as keys
 from .transport import ParameterServerError
 
 __all__ = ["Heartbeat", "ChiefWatch", "ChiefGone"]
 
-BEAT = "chief/beat"
+BEAT = keys.BEAT
 _EVERY = 1.0
 
 
@@ -63,7 +64,7 @@ class ChiefWatch:
         if beat != self._seen:
             self._seen, self._since = beat, now
         elif beat and now - self._since > self.staleness \
-                and not self._store.check(["job/done"]):
+                and not self._store.check([keys.DONE]):
             raise ChiefGone(f"the chief {self.chief} sent no heartbeat for "
                             f"{now - self._since:.0f} s (strategy.timeout_s is "
                             f"{self.staleness:g} s): it died or hangs, and the job cannot "

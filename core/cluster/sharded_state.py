@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .sharded_variable import Layout
+from .plan import ShardingPlan
 
 __all__ = ["whole_state", "split_state", "FORMAT"]
 
 FORMAT = "whole-variables"
 
 
-def whole_state(states: list[dict], layout: Layout) -> dict:
+def whole_state(states: list[dict], layout: ShardingPlan) -> dict:
     """Join every ps's ``state_dict`` (values by shard, optimizer state by its own
     parameter index, ``order``: the shard of each index) into whole variables."""
     values: dict[int, list] = {}
@@ -70,7 +70,7 @@ def _join_slots(pieces: list, shards: list, whole: torch.Tensor) -> dict:
     return joined
 
 
-def split_state(whole: dict, layout: Layout, current: list[dict]) -> list[dict]:
+def split_state(whole: dict, layout: ShardingPlan, current: list[dict]) -> list[dict]:
     """Each ps's ``state_dict`` to load, from :func:`whole_state`'s ``whole``;
     ``current``: each ps's state now (its optimizer's parameter order and groups)."""
     out = []

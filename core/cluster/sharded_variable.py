@@ -1,57 +1,50 @@
-"""Partitioned variables: TF's partitioners, and where each shard of each variable lives.
+"""Partitioned variables: TF's partitioners (``tf.distribute.experimental.partitioners``).
 
-A partitioner (TF's ``FixedShardsPartitioner`` / ``MinSizePartitioner``) says into how
-many shards a variable splits along dim 0; the first ``rows % n`` shards take one row
-more (TF's ``ShardedVariable`` rule). Shards are placed over the ps tasks as TF places
-variables: each shard counts as one variable in creation order (round-robin), or by
-size (``balanced``). A worker keeps the whole variable (or, for an embedding table
-served by rows, only the rows it looked up); only the ps tasks hold shards.
-
-    layout = Layout.of(tensors, num_ps=2, partitioner=FixedShardsPartitioner(2))
-    layout.shards_of(0)   # [Shard(id=0, var=0, start=0, stop=5, ps=0), Shard(1, 0, 5, 10, 1)]
+A partitioner says into how many shards a variable splits along dim 0
+(``FixedShardsPartitioner``, ``MinSizePartitioner``, or one of the user's own); the plan
+(:mod:`.plan`) cuts the rows and places the shards.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Sequence
 
 import torch
 
-__all__ = ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner", "Shard", "Layout",
-           "partitioner_from_config", "placement"]
+__all__ = ["Partitioner", "FixedShardsPartitioner", "MinSizePartitioner",
+           "partitioner_from_config"]
 
 
 class Partitioner:
     """Into how many shards a variable splits along dim 0 (TF's Partitioner): called
-    with its shape and dtype, returns ``[n, 1, 1, ...]``."""
+    with its shape and dtype, returns ``[n, 1, 1, ...]`` (TF's rules for what it may
+    return are the plan's: :func:`.plan.shard_count`)."""
 
-    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype, axis: int = 0) -> list[int]:
         raise NotImplementedError
 
-    def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        """The shard count for a variable; scalars and one-row variables stay whole."""
-        if len(shape) == 0 or shape[0] <= 1:
-            return 1
-        partitions = list(self(tuple(shape), dtype))
-        if len(partitions) != len(shape) or any(p != 1 for p in partitions[1:]) \
-                or not 1 <= partitions[0]:
-            raise ValueError(f"{type(self).__name__} returned {partitions} for shape "
-                             f"{list(shape)}; a partitioner splits dim 0 only: [n, 1, ...] "
-                             "with n >= 1")
-        return min(partitions[0], shape[0])
+
+def _whole_number(value, name: str) -> int:
+    """``value`` as the count it must be: an int (TF takes 2.5 or "2" here and fails
+    when a variable is made; csrun says so at once, naming it)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, got {value!r}")
+    return value
 
 
 class FixedShardsPartitioner(Partitioner):
     """``num_shards`` shards (fewer for a variable with fewer rows), as TF's."""
 
     def __init__(self, num_shards: int):
-        if int(num_shards) < 1:
+        if _whole_number(num_shards, "num_shards") < 1:
             raise ValueError(f"num_shards must be at least 1, got {num_shards}")
-        self.num_shards_wanted = int(num_shards)
+        self.num_shards_wanted = num_shards
 
-    def __call__(self, shape, dtype) -> list[int]:
-        return [min(self.num_shards_wanted, shape[0])] + [1] * (len(shape) - 1)
+    def __call__(self, shape, dtype, axis: int = 0) -> list[int]:
+        result = [1] * len(shape)
+        result[axis] = min(self.num_shards_wanted, shape[axis])  # a scalar: IndexError, as TF
+        return result
 
     def __repr__(self) -> str:
         return f"FixedShardsPartitioner(num_shards={self.num_shards_wanted})"
@@ -60,21 +53,33 @@ class FixedShardsPartitioner(Partitioner):
 class MinSizePartitioner(Partitioner):
     """As many shards as the variable has ``min_shard_bytes`` (rounded up, as TF's
     ``min_max_variable_partitioner``), at most ``max_shards`` (TF's MinSizePartitioner;
-    its defaults)."""
+    its defaults). ``bytes_per_string``: TF's size of a string element (torch has no
+    string tensors: checked, and kept for TF's signature)."""
 
-    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1):
-        if int(min_shard_bytes) < 1 or int(max_shards) < 1:
-            raise ValueError(f"min_shard_bytes and max_shards must be at least 1, got "
-                             f"{min_shard_bytes} and {max_shards}")
-        self.min_shard_bytes, self.max_shards = int(min_shard_bytes), int(max_shards)
+    def __init__(self, min_shard_bytes: float = 256 << 10, max_shards: int = 1,
+                 bytes_per_string: float = 16):
+        for name, value in (("min_shard_bytes", min_shard_bytes),
+                            ("bytes_per_string", bytes_per_string)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not value >= 1:
+                raise ValueError(f"Argument `{name}` must be positive. Received: {value}")
+        if _whole_number(max_shards, "max_shards") < 1:
+            raise ValueError(f"Argument `max_shards` must be positive. Received: {max_shards}")
+        self.min_shard_bytes, self.max_shards = min_shard_bytes, max_shards
+        self.bytes_per_string = bytes_per_string
 
-    def __call__(self, shape, dtype) -> list[int]:
-        element = torch.empty((), dtype=dtype).element_size()
-        total = element
+    def __call__(self, shape, dtype, axis: int = 0) -> list[int]:
+        if axis >= len(shape):
+            raise ValueError(f"Cannot partition variable along axis {axis} when shape is "
+                             f"only {tuple(shape)}")
+        total = torch.empty((), dtype=dtype).element_size()
         for size in shape:
             total *= size
-        shards = max(1, min(self.max_shards, shape[0], -(-total // self.min_shard_bytes)))
-        return [shards] + [1] * (len(shape) - 1)
+        result = [1] * len(shape)
+        result[axis] = max(1, min(shape[axis], self.max_shards,
+                                  math.ceil(total / self.min_shard_bytes)))
+        return result
 
     def __repr__(self) -> str:
         return (f"MinSizePartitioner(min_shard_bytes={self.min_shard_bytes}, "
@@ -88,120 +93,3 @@ def partitioner_from_config(settings) -> Partitioner | None:
     if settings.kind == "fixed":
         return FixedShardsPartitioner(settings.num_shards)
     return MinSizePartitioner(settings.min_shard_bytes, settings.max_shards)
-
-
-def placement(sizes: list[int], num_ps: int, mode: str = "round_robin",
-              colocate: dict[int, int] | None = None) -> list[int]:
-    """The ps task of each variable (here: each shard), in creation order.
-
-    ``round_robin`` is TF's rule (i on ps i mod n); ``balanced`` puts each on the ps
-    holding the fewest bytes so far (TF users complained of skew). ``colocate`` maps an
-    index to an earlier one whose ps it must share.
-    """
-    if mode not in ("round_robin", "balanced"):
-        raise ValueError(f"variable placement must be 'round_robin' or 'balanced', got {mode!r}")
-    owners: list[int] = []
-    load = [0] * num_ps
-    for index, size in enumerate(sizes):
-        if colocate and index in colocate:
-            owner = owners[colocate[index]]
-        elif mode == "round_robin":
-            owner = index % num_ps
-        else:
-            owner = min(range(num_ps), key=lambda k: (load[k], k))
-        owners.append(owner)
-        load[owner] += size
-    return owners
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """Rows ``start:stop`` of variable ``var``, held by ``ps`` as shard ``id``."""
-
-    id: int
-    var: int
-    start: int
-    stop: int
-    ps: int
-
-    @property
-    def rows(self) -> int:
-        return self.stop - self.start
-
-
-def _bounds(rows: int, shards: int) -> list[tuple[int, int]]:
-    """TF's split: the first ``rows % shards`` shards take one row more."""
-    base, extra = divmod(rows, shards)
-    bounds, start = [], 0
-    for k in range(shards):
-        stop = start + base + (1 if k < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-class Layout:
-    """Every variable's shards (one, unless partitioned) and the ps of each."""
-
-    def __init__(self, shards: list[Shard], shapes: list[tuple[int, ...]]):
-        self.shards = shards
-        self.shapes = shapes  # each variable's whole shape
-        self._of: list[list[Shard]] = [[] for _ in shapes]
-        for shard in shards:
-            self._of[shard.var].append(shard)
-        self._starts = [torch.tensor([s.start for s in group], dtype=torch.int64)
-                        for group in self._of]
-
-    @classmethod
-    def of(cls, tensors: list[torch.Tensor], num_ps: int, mode: str = "round_robin",
-           colocate: dict[int, int] | None = None,
-           partitioner: Partitioner | None = None) -> "Layout":
-        """Shard ``tensors`` (variables in creation order) and place the shards.
-
-        Colocated variables (TF's ``colocate_vars_with``) stay whole, on their target's
-        (first shard's) ps."""
-        colocate = colocate or {}
-        pieces: list[tuple[int, int, int]] = []  # (var, start, stop)
-        first_piece: dict[int, int] = {}
-        piece_colocate: dict[int, int] = {}
-        for var, tensor in enumerate(tensors):
-            rows = tensor.shape[0] if tensor.dim() else 1
-            count = 1 if partitioner is None or var in colocate else \
-                partitioner.num_shards(tuple(tensor.shape), tensor.dtype)
-            first_piece[var] = len(pieces)
-            if var in colocate:
-                piece_colocate[len(pieces)] = first_piece[colocate[var]]
-            pieces.extend((var, a, b) for a, b in _bounds(rows, count))
-        row_bytes = [t.element_size() * (t[0].numel() if t.dim() else 1) for t in tensors]
-        owners = placement([(b - a) * row_bytes[v] for v, a, b in pieces], num_ps, mode,
-                           piece_colocate)
-        shards = [Shard(i, v, a, b, owners[i]) for i, (v, a, b) in enumerate(pieces)]
-        return cls(shards, [tuple(t.shape) for t in tensors])
-
-    def shards_of(self, var: int) -> list[Shard]:
-        return self._of[var]
-
-    def owner(self, var: int) -> int:
-        """The ps of a variable's first shard (where a whole variable lives)."""
-        return self._of[var][0].ps
-
-    def partitioned(self, var: int) -> bool:
-        return len(self._of[var]) > 1
-
-    def split_rows(self, var: int, ids: torch.Tensor) -> list[tuple[Shard, torch.Tensor]]:
-        """``ids`` (sorted row ids of variable ``var``) as (shard, positions in ``ids``)
-        for each shard they fall in."""
-        shards = self._of[var]
-        if len(shards) == 1:
-            return [(shards[0], torch.arange(len(ids)))]
-        which = torch.searchsorted(self._starts[var], ids, right=True) - 1
-        bounds = torch.searchsorted(which, torch.arange(len(shards) + 1))
-        return [(shard, torch.arange(int(bounds[k]), int(bounds[k + 1])))
-                for k, shard in enumerate(shards)]
-
-    def by_ps(self, num_ps: int) -> list[list[Shard]]:
-        """The shards each ps holds, by shard id."""
-        held: list[list[Shard]] = [[] for _ in range(num_ps)]
-        for shard in self.shards:
-            held[shard.ps].append(shard)
-        return held

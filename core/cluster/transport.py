@@ -10,15 +10,7 @@ Messages are a fixed-size int64 header (operation and the dtype/size of each pay
 followed by flat payload tensors; structured data travels as UTF-8 JSON bytes, and
 checkpoint state as ``torch.save`` bytes loaded back with ``weights_only=True``.
 
-Store keys (the protocol between :mod:`.server` and :mod:`.client`): ``ps/K/ready``,
-``ps/K/joins`` and ``ps/K/join/N`` (a worker's channel name), ``ps/K/log``,
-``ps/K/stopped``; ``job/initialized``, ``job/aborted``, ``job/done``, ``job/closed``;
-``global_step``, ``incarnation/TASK`` (how many processes started as TASK),
-``owner/TASK`` (the incarnation that plays it: one at a time), ``finished/TASK``,
-``lost/TASK`` and
-``lost_incarnation/TASK`` (which incarnation died: a later one has rejoined);
-``chief/beat`` (the chief's heartbeat counter) and ``job/agree/NAME`` (what every
-task must agree on).
+The store's keys are :mod:`.store_keys`'s.
 
 Every store call is bounded (:class:`BoundedStore`): a ps that accepts connections but
 never answers (frozen, stopped) must not hang a task forever, deaf to its signals.
@@ -26,6 +18,7 @@ never answers (frozen, stopped) must not hang a task forever, deaf to its signal
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
@@ -42,11 +35,12 @@ import torch.distributed as dist
 
 from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
+from . import store_keys
 
 __all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
 
 (REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED, LOOKUP,
- ASSIGN) = range(1, 12)
+ ASSIGN, SAVE, RESTORE) = range(1, 14)
 _HEADER = 32
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
@@ -94,6 +88,19 @@ def calls_running() -> int:
     return _running[0]
 
 
+@contextlib.contextmanager
+def in_native():
+    """Count this thread, for the block, as one that may sit in torch's C++ (a ps's
+    channel thread waits there for its worker's next message): see :func:`calls_running`."""
+    with _running_lock:
+        _running[0] += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running[0] -= 1
+
+
 class Caller:
     """Runs blocking calls on one daemon thread of its own; :meth:`call` waits for each
     in short slices, for at most ``timeout`` seconds or until ``stop`` is set.
@@ -128,11 +135,23 @@ class Caller:
 
     def call(self, call: Callable[[], Any], timeout: float, what: str,
              stop: threading.Event | None = None) -> Any:
+        return self.wait(self.submit(call), timeout, what, stop)
+
+    def submit(self, call: Callable[[], Any]) -> tuple[dict, threading.Event]:
+        """Queue ``call`` on this caller's thread; :meth:`wait` for its result (several
+        callers' calls then run at once)."""
         if self._stuck is not None:
             raise self._stuck
         box: dict = {}
         done = threading.Event()
         self._queue.put((call, box, done))
+        return box, done
+
+    def wait(self, ticket: tuple[dict, threading.Event], timeout: float, what: str,
+             stop: threading.Event | None = None) -> Any:
+        """The result of a :meth:`submit` ted call (its exception raised here), within
+        ``timeout`` seconds or until ``stop`` is set."""
+        box, done = ticket
         deadline = time.monotonic() + timeout
         while not done.wait(_SLICE):
             if stop is not None and stop.is_set():
@@ -237,7 +256,7 @@ def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:
     """Publish ``value`` as what every task must agree on under ``name`` (the first task
     to do so sets it); return who set it and what it is."""
     mine = json.dumps({"task": task, "value": value}, sort_keys=True)
-    held = json.loads(store.compare_set(f"job/agree/{name}", "", mine))
+    held = json.loads(store.compare_set(store_keys.agreed(name), "", mine))
     return held["task"], held["value"]
 
 

@@ -268,8 +268,9 @@ def _describe(error: dict, loc: tuple) -> tuple[str, str | None]:
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         tag = str(ctx.get("discriminator", "kind")).strip("'")
         expected = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",")]
-        if kind == "union_tag_not_found":
-            return f"needs `{tag}`", f"one of: {', '.join(expected)}"
+        if kind == "union_tag_not_found":  # pydantic names no tags here: the schema does
+            expected = [t for t in expected if t] or _tags_at(loc, tag)
+            return f"needs `{tag}`", _colon_hint(value) or f"one of: {', '.join(expected)}"
         return (f"unknown {tag} {ctx.get('tag')!r}",
                 did_you_mean(ctx.get("tag"), expected) or f"one of: {', '.join(expected)}")
     if kind == "literal_error":
@@ -296,6 +297,30 @@ def _other_strategy(loc: tuple) -> str | None:
     for model in (CentralStorageConfig, ParameterServerConfig):
         if loc[-1] in model.model_fields and _tag_of(model) != loc[1]:
             return f"`{loc[-1]}` is a setting of strategy kind: {_tag_of(model)}"
+    return None
+
+
+def _tags_at(loc: tuple, tag: str) -> list[str]:
+    """The values of the discriminator ``tag`` the union at ``loc`` takes."""
+    field = _field_at(loc)
+    found: list[str] = []
+
+    def walk(annotation) -> None:
+        for arg in typing.get_args(annotation) or ():
+            walk(arg)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and \
+                tag in annotation.model_fields:
+            found.extend(typing.get_args(annotation.model_fields[tag].annotation))
+    if field is not None:
+        walk(field.annotation)
+    return [str(t) for t in found]
+
+
+def _colon_hint(value) -> str | None:
+    """YAML reads ``{kind:fixed}`` (no space after the colon) as one key ``kind:fixed``."""
+    if isinstance(value, dict) and any(isinstance(k, str) and ":" in k for k in value):
+        keys = ", ".join(str(k).replace(":", ": ", 1) for k in value)
+        return f"YAML needs a space after each colon: {{{keys}}}"
     return None
 
 

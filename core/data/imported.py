@@ -25,6 +25,7 @@ from ..config.problems import ConfigError, Problem
 from ..config.targets import import_object
 from ..config.user_code import (CHECKED_FAILURES, UserCodeError, user_code_error,
                                 user_problem)
+from ..distribute.jagged import JaggedTensor
 from ..distribute.values import flatten
 
 __all__ = ["ImportedData", "load_imported", "Collate", "Guarded", "examples", "first_batch"]
@@ -186,12 +187,15 @@ def first_batch(data: ImportedData, collate: Collate, count: int) -> Any:
 
 
 UNSPLITTABLE_HINT = ("a batch is a nest (tuples, lists, dicts) of tensors whose first "
-                     "dimension is the examples")
+                     "dimension is the examples, or of JaggedTensors (ids by example: "
+                     "csrun.core.JaggedTensor.collate)")
 
 
 def _unsplittable(batch: Any, count: int) -> str | None:
     """Why the replicas could not each take a slice of ``batch``, or None."""
     for leaf in flatten(batch):
+        if isinstance(leaf, JaggedTensor) and len(leaf) == count:  # ids by example
+            continue
         if not isinstance(leaf, torch.Tensor):
             return f"the batch holds a {type(leaf).__name__} ({leaf!r:.40}), not a tensor"
         if leaf.dim() == 0 or leaf.shape[0] != count:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .batch_split import even_sizes
+from .jagged import JaggedTensor
 from .values import PerReplica, flatten, map_structure, regroup
 
 __all__ = [
@@ -155,7 +156,7 @@ class PerReplicaSpec(tuple):
 
 # -- splitting --------------------------------------------------------------------------
 def _leaf_tensor(leaf: Any) -> torch.Tensor:
-    if isinstance(leaf, torch.Tensor):
+    if isinstance(leaf, (torch.Tensor, JaggedTensor)):  # jagged ids split by examples too
         return leaf
     if isinstance(leaf, (np.ndarray, np.generic)):  # host data, whatever the default device
         return torch.as_tensor(leaf, device="cpu")

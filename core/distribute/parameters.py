@@ -443,6 +443,23 @@ class ParameterStore:
             self._followed.add(id(tensor))
             weakref.finalize(tensor, _forget, weakref.ref(self), id(tensor)).atexit = False
 
+    def adopted_modules(self) -> list[torch.nn.Module]:
+        """The modules whose dicts this store swapped (alive now)."""
+        return list(self._adopted)
+
+    def serve_when_read(self, keys: set[int]) -> None:
+        """Serve the tracked tensors of ids ``keys`` to replicas only when read, never
+        ahead of a run (a ps job's embedding tables: a read of one is refused)."""
+        self._fresh = [key for key in self._fresh if key not in keys]
+
+    def drop_alias_grads(self, replica_id: int, keys: set[int]) -> None:
+        """Forget the gradients replica ``replica_id``'s aliases of ``keys`` received."""
+        aliases = self._aliases[replica_id]
+        for key in keys:
+            entry = aliases.get(key)
+            if entry is not None:
+                entry[1].grad = None
+
     def tensors(self) -> list[torch.Tensor]:
         """The tracked central tensors in creation order (TF places variables in it)."""
         with self._lock:

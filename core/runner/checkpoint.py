@@ -4,7 +4,13 @@ Each checkpoint is two files in ``checkpoint.dir``:
 
 * ``ckpt-00000050.pt`` -- the payload (``torch.save`` of tensors and plain data only);
 * ``ckpt-00000050.json`` -- the manifest: step, the payload's size and SHA-256, and the
-  run's *identity* (the config sections that must match to resume).
+  run's *identity* (the config sections that must match to resume);
+
+and, in a parameter-server job, the ps tasks' shards (``ckpt-00000050.ps-0.safetensors``,
+...), each listed in the manifest's ``files`` with its size and SHA-256. A step saved
+again (a ps job's chief, after the other workers finished) takes a new generation
+(``ckpt-00000050.g1.pt``, ...): the manifest's replacement is the one moment it switches,
+and the previous generation's files go only after it.
 
 Both are written to a temporary file in the same directory, flushed with ``fsync`` and
 renamed into place (``os.replace`` is atomic), payload first: a manifest exists only for a
@@ -37,13 +43,16 @@ FORMAT = 1
 # a manifest is a few kilobytes (its identity holds the config, itself at most 1 MiB)
 MANIFEST_MAX_BYTES = 4 << 20
 _NAME = re.compile(r"^ckpt-(\d{8,})\.json$")
+# what a checkpoint's files are named: its stem (``ckpt-00000050``, a later generation
+# ``ckpt-00000050.g1``), then ``.pt`` (the payload) or ``.ps-K.safetensors`` (a ps's shards)
+_FILE = re.compile(r"^(ckpt-\d{8,})(\.g\d{1,6})?(\.pt|\.ps-\d{1,5}\.safetensors)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, is damaged, or belongs to another run."""
 
 
-_TEMP = re.compile(r"^\.ckpt-\d{8,}\.(pt|json)\..*\.tmp$")
+_TEMP = re.compile(r"^\.ckpt-\d{8,}\..*\.tmp$")
 
 
 def write_atomic(path: pathlib.Path, write) -> None:
@@ -227,15 +236,22 @@ class CheckpointManager:
             self._lock.release()
             self._lock = None
 
-    def save(self, step: int, payload: dict, *, replace: bool = False) -> pathlib.Path:
+    def save(self, step: int, payload: dict, *, replace: bool = False, stem: str | None = None,
+             files: list[dict] = ()) -> pathlib.Path:
         """Write the checkpoint of ``step`` atomically; prune old ones (``replace``: every
-        other one, an earlier run's, once this one is durable). Returns its path.
+        other one, an earlier run's, once this one is durable). ``stem``: the names of
+        this save (:meth:`stem`); ``files``: what was written beside it under that stem
+        (``{"file", "bytes", "sha256"}`` each: a ps's shards), listed in the manifest.
+        Returns the payload's path.
 
         Raises:
           CheckpointError: it could not be written (a full disk, no permission); the
             directory is left as it was, earlier checkpoints intact.
         """
-        path = self.path_of(step)
+        stem = stem or self.stem(step)
+        path = self.directory / f"{stem}.pt"
+        manifest_path = self.directory / f"ckpt-{step:08d}.json"
+        before = _referenced(manifest_path) if manifest_path.exists() else []
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_atomic(path, lambda f: torch.save(payload, f))
@@ -243,38 +259,58 @@ class CheckpointManager:
                         "bytes": path.stat().st_size, "sha256": file_sha256(path),
                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                         "torch": torch.__version__, "identity": self.identity}
+            if files:
+                manifest["files"] = list(files)
             text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            write_atomic(path.with_suffix(".json"), lambda f: f.write(text))
+            write_atomic(manifest_path, lambda f: f.write(text))
         except OSError as exc:
-            if not path.with_suffix(".json").exists():  # a payload without its manifest
-                with _suppress():
-                    path.unlink()
+            if _referenced(manifest_path) != [path.name] + [f["file"] for f in files]:
+                for name in [path.name] + [f["file"] for f in files]:  # never listed
+                    with _suppress():
+                        (self.directory / name).unlink()
             raise CheckpointError(f"cannot write a checkpoint to {str(self.directory)!r} "
                                   f"(step {step}): {exc.strerror or exc}; "
                                   f"{self._newest()}") from None
+        for name in before:  # the previous generation of this step, now replaced
+            if name not in (path.name, *(f["file"] for f in files)):
+                with _suppress():
+                    (self.directory / name).unlink()
         if replace:
             self.clear(keep=step)
         self._prune()
         return path
 
+    def stem(self, step: int) -> str:
+        """The names of a new save of ``step``: ``ckpt-00000050``, or, if that step has a
+        checkpoint already, its next generation (``ckpt-00000050.g1``)."""
+        base = f"ckpt-{step:08d}"
+        names = _referenced(self.directory / f"{base}.json")
+        if not names:
+            return base
+        match = _FILE.match(names[0])
+        generation = int(match.group(2)[2:]) if match and match.group(2) else 0
+        return f"{base}.g{generation + 1}"
+
     def _newest(self) -> str:
         manifests = self.manifests()
         if not manifests:
             return "no earlier checkpoint exists"
-        return (f"the newest complete one, {manifests[-1].with_suffix('.pt').name}, is "
-                "intact")
+        return f"the newest complete one, {self._payload(manifests[-1])}, is intact"
+
+    def _payload(self, manifest: pathlib.Path) -> str:
+        names = _referenced(manifest)
+        return names[0] if names else manifest.with_suffix(".pt").name
 
     def remove_incomplete(self) -> list[str]:
-        """Delete what a crash mid-save leaves: temp files, and a payload whose manifest
-        was never written (it cannot be verified, so it is never loaded). Returns the
-        names removed."""
+        """Delete what a crash mid-save leaves: temp files, and payloads and shards that
+        no manifest lists (they cannot be verified, so they are never loaded). Returns
+        the names removed."""
         if not self.directory.is_dir():
             return []
-        complete = {m.with_suffix(".pt").name for m in self.manifests()}
+        complete = {name for m in self.manifests() for name in _referenced(m)}
         removed = []
         for path in self.directory.iterdir():
-            payload = re.fullmatch(r"ckpt-\d{8,}\.pt", path.name)
-            if _TEMP.match(path.name) or payload and path.name not in complete:
+            if _TEMP.match(path.name) or _FILE.match(path.name) and path.name not in complete:
                 with _suppress():
                     path.unlink()
                     removed.append(path.name)
@@ -289,8 +325,9 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     def path_of(self, step: int) -> pathlib.Path:
-        """The payload path of ``step``'s checkpoint."""
-        return self.directory / f"ckpt-{step:08d}.pt"
+        """The payload path of ``step``'s checkpoint (its newest generation)."""
+        names = _referenced(self.directory / f"ckpt-{step:08d}.json")
+        return self.directory / (names[0] if names else f"ckpt-{step:08d}.pt")
 
     def clear(self, keep: int | None = None) -> int:
         """Remove every checkpoint in the directory but the one of step ``keep`` (a run
@@ -298,9 +335,7 @@ class CheckpointManager:
         manifests = [m for m in self.manifests() if m.name != f"ckpt-{keep:08d}.json"] \
             if keep is not None else self.manifests()
         for manifest in manifests:
-            with _suppress():
-                manifest.unlink()
-                manifest.with_suffix(".pt").unlink()
+            _remove(manifest)
         return len(manifests)
 
     def _prune(self) -> None:
@@ -308,9 +343,7 @@ class CheckpointManager:
         for manifest in self.manifests()[:-self.keep]:
             if manifest.name == best:
                 continue
-            with _suppress():  # the manifest first: a payload alone is never loaded
-                manifest.unlink()
-                manifest.with_suffix(".pt").unlink()
+            _remove(manifest)
 
     def load_latest(self) -> tuple[dict, dict] | None:
         """The newest checkpoint's payload and manifest, verified; None if there is none.
@@ -334,6 +367,8 @@ class CheckpointManager:
         if not payload_path.exists():
             raise CheckpointError(f"checkpoint payload {str(payload_path)!r} is missing"
                                   f"{advice}")
+        for entry in manifest.get("files", []):  # a ps's shards: whole, as listed (the ps
+            _check_file(manifest_path.with_name(entry["file"]), entry, advice)  # hashes)
         # verified and loaded from one descriptor: the bytes loaded are the bytes hashed
         with open_regular(payload_path, "checkpoint payload", advice) as f:
             self._verify(f, payload_path, manifest, advice)
@@ -361,6 +396,8 @@ class CheckpointManager:
                                   f"{manifest['format']!r:.40}; this csrun reads format "
                                   f"{FORMAT}")
         wrong = [key for key, ok in _MANIFEST_FIELDS.items() if not ok(manifest[key], path)]
+        if "files" in manifest and not _files_ok(manifest["files"], path):
+            wrong.append("files")
         if wrong:
             raise CheckpointError(f"checkpoint manifest {str(path)!r} is malformed (bad "
                                   f"{', '.join(wrong)}){advice}")
@@ -389,11 +426,57 @@ class CheckpointManager:
                                   "use another checkpoint.dir")
 
 
-# What each manifest field must be. ``file`` must name the manifest's own payload: a
-# manifest cannot point elsewhere (``../../x``).
+def _referenced(manifest: pathlib.Path) -> list[str]:
+    """The files ``manifest`` lists (its payload first), as far as it can be read; none
+    for an unreadable one (its payload keeps the default name)."""
+    try:
+        data = json_object(manifest, "checkpoint manifest", MANIFEST_MAX_BYTES)
+    except CheckpointError:
+        return [manifest.with_suffix(".pt").name] if manifest.exists() else []
+    names = [data.get("file")] + [f.get("file") for f in data.get("files", [])
+                                  if isinstance(f, dict)] \
+        if isinstance(data.get("files", []), list) else [data.get("file")]
+    return [n for n in names if isinstance(n, str) and _owned(n, manifest)]
+
+
+def _owned(name: str, manifest: pathlib.Path) -> bool:
+    """Whether ``name`` is one of ``manifest``'s own files (same step; nothing that
+    points elsewhere, such as ``../../x``)."""
+    match = _FILE.match(name)
+    return bool(match) and match.group(1) == manifest.stem
+
+
+def _remove(manifest: pathlib.Path) -> None:
+    names = _referenced(manifest)
+    with _suppress():  # the manifest first: a payload alone is never loaded
+        manifest.unlink()
+    for name in names:
+        with _suppress():
+            (manifest.parent / name).unlink()
+
+
+def _check_file(path: pathlib.Path, entry: dict, advice: str) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {str(path)!r} is missing{advice}")
+    if path.stat().st_size != entry["bytes"]:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or damaged: "
+                              f"{path.stat().st_size} bytes, its manifest says "
+                              f"{entry['bytes']}{advice}")
+
+
+def _files_ok(value, path: pathlib.Path) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(f, dict) and isinstance(f.get("file"), str) and _owned(f["file"], path)
+        and f["file"].endswith(".safetensors") and type(f.get("bytes")) is int
+        and f["bytes"] >= 0 and isinstance(f.get("sha256"), str)
+        and re.fullmatch(r"[0-9a-f]{64}", f["sha256"]) for f in value)
+
+
+# What each manifest field must be. ``file`` (and each of ``files``) must name the
+# manifest's own files: a manifest cannot point elsewhere (``../../x``).
 _MANIFEST_FIELDS = {
     "step": lambda v, path: type(v) is int and v >= 0,
-    "file": lambda v, path: v == path.with_suffix(".pt").name,
+    "file": lambda v, path: isinstance(v, str) and _owned(v, path) and v.endswith(".pt"),
     "bytes": lambda v, path: type(v) is int and v >= 0,
     "sha256": lambda v, path: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v),
     "identity": lambda v, path: isinstance(v, dict),

@@ -128,19 +128,28 @@ class Checkpointer:
             self.emit(Notice(f"resumed with {', '.join(changed)}: from here the steps "
                              "differ from those of an uninterrupted run"))
 
-    def save(self, step: int, parts: Sequence[Stateful]) -> None:
-        """Write the checkpoint of ``step`` (once per step; none before the first)."""
-        if self.manager is None or self.saved_step == step or step == 0:
+    def save(self, step: int, parts: Sequence[Stateful], again: bool = False) -> None:
+        """Write the checkpoint of ``step`` (once per step, unless ``again``: the job's
+        state moved on without this process's step, as a ps job's does while its chief
+        waits for the other workers; none before the first). A part that writes files of
+        its own beside the payload (``write_files(directory, stem)``, a ps job's shards)
+        does so first."""
+        if self.manager is None or (self.saved_step == step and not again) or step == 0:
             return
         self._note_moved()
         # a run that starts over replaces the checkpoints of earlier runs, so that
         # --resume never picks an older run's newer step: once its own is durable
         fresh = self.saved_step is None and self.resumed_from is None
         earlier = len(self.manager.manifests()) if fresh else 0
+        stem, files = self.manager.stem(step), []
+        for part in parts:
+            if hasattr(part, "write_files"):
+                self.manager.directory.mkdir(parents=True, exist_ok=True)
+                files += part.write_files(self.manager.directory, stem)
         payload: dict = {"settings": self.settings}
         for part in parts:
             payload.update(part.state_dict())
-        path = self.manager.save(step, payload, replace=fresh)
+        path = self.manager.save(step, payload, replace=fresh, stem=stem, files=files)
         if earlier:
             self.emit(Notice(f"started over (no --resume): replaced {earlier} "
                              f"checkpoint(s) of an earlier run in "
@@ -160,6 +169,8 @@ class Checkpointer:
             return None
         payload, manifest = loaded
         path = str(self.manager.directory / manifest["file"])
+        payload["files"] = {"directory": str(self.manager.directory),
+                            "listed": manifest.get("files", []), "payload": path}
         try:
             for part in parts:
                 part.load_state_dict(payload)

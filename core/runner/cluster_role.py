@@ -37,8 +37,11 @@ from ..config.problems import ConfigError, Problem
 from .events import Notice, RunResult
 from ..cluster.heartbeat import ChiefGone
 from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped, bounded
+from ..cluster.embedding_lookup import ServedModel
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
+from ..cluster.shard_index import FORMAT as SHARDS_FORMAT, CheckpointIndexError
 from ..cluster.sharded_variable import partitioner_from_config
+from .checkpoint import CheckpointError
 from .checkpointing import run_identity
 from .errors import RunError
 from .session import Outputs, Session, run_session
@@ -241,21 +244,58 @@ class ClusterRole:
         self.lost: list[str] = []
         self._reported: set[str] = set()
         self._restored: list | None = None  # ps state from a checkpoint, for begin()
+        self._files: dict = {}  # where that checkpoint's files are, and which
+        self._index: dict | None = None  # the last checkpoint's index of the ps shards
+        self._saved_global: int | None = None  # the global step it held
         self._ended = False
 
     @property
     def parameter_device(self) -> str:
         return ", ".join(f"ps:{k}" for k in range(len(self.ext.parameter_devices)))
 
-    # -- checkpoints: the chief's, with every ps task's variables and optimizer state -----
+    # -- checkpoints: the chief's; each ps writes its own shards beside them ------------
+    def write_files(self, directory, stem: str) -> list[dict]:
+        """Each ps writes its shards and their optimizer slots (the chief keeps the
+        index): called by the checkpointer before :meth:`state_dict`."""
+        files, self._index = self.ext.save_shards(str(directory), stem)
+        self._saved_global = self.ext.global_step
+        return files
+
     def state_dict(self) -> dict:
-        return {"ps": self.ext.ps_state()}
+        return {"ps": self._index}
 
     def load_state_dict(self, payload: dict) -> None:
         if "ps" not in payload:
             raise ValueError("it holds no parameter-server state (a central-storage run "
                              "wrote it); use another checkpoint.dir")
-        self._restored = payload["ps"]
+        self._restored, self._files = payload["ps"], payload.get("files") or {}
+
+    def unsaved(self) -> bool:
+        """The chief, after waiting for the others: whether any update was applied since
+        its last checkpoint (then the last one is written again, with all of them)."""
+        return self.is_chief and self._saved_global is not None and \
+            self.ext.global_step != self._saved_global
+
+    def checkpointed(self, model: torch.nn.Module):
+        """The model's checkpoint entry: without the tables served by rows (the ps tasks
+        write those beside the checkpoint)."""
+        return ServedModel(model)
+
+    def _restore(self, where: dict, optimizer: torch.optim.Optimizer) -> None:
+        restored, self._restored = self._restored, None
+        if isinstance(restored, dict) and restored.get("format") == SHARDS_FORMAT:
+            files = self._files
+            try:
+                self.ext.restore_shards(restored, files["directory"], files["listed"],
+                                        files["payload"], optimizer)
+            except CheckpointIndexError as exc:
+                raise CheckpointError(str(exc)) from None
+            return
+        try:  # an earlier csrun's whole variables (each worker's steps, or the chief's)
+            self.ext.load_ps_state(restored, optimizer, int(where["step"]))
+        except ValueError as exc:  # a checkpoint by ps task, into shards
+            raise ConfigError([Problem("strategy.variable_partitioner", str(exc),
+                                       "resume without it, then save again")]) from None
 
     # -- the run ---------------------------------------------------------------------------
     def begin(self, where: dict, optimizer: torch.optim.Optimizer) -> dict:
@@ -266,18 +306,12 @@ class ClusterRole:
         was (no step is trained twice); a fresh one where the chief starts."""
         if self.is_chief:
             if self._restored is not None:
-                try:  # each worker's steps with them (an older checkpoint: the chief's)
-                    self.ext.load_ps_state(self._restored, optimizer, int(where["step"]))
-                except ValueError as exc:  # a checkpoint by ps task, into shards
-                    raise ConfigError([Problem("strategy.variable_partitioner", str(exc),
-                                               "resume without it, then save again")]
-                                      ) from None
-                self._restored = None
+                self._restore(where, optimizer)
             self.ext.mark_initialized(where)
             return where
         timeout = max(self.config.strategy.timeout_s, 600.0)
         start = self.ext.wait_for_chief(timeout, self._waiting)
-        done = self.ext.steps_done()
+        done = self.ext.coordinator.steps_done()
         if done is not None and done != int(start["step"]):
             self.emit(Notice(f"continuing at step {done}, the steps the ps tasks applied "
                              f"for this worker in this job"))
@@ -295,7 +329,7 @@ class ClusterRole:
 
     def logged(self) -> None:
         if self.is_chief:
-            for task, why in self.ext.lost_workers().items():
+            for task, why in self.ext.coordinator.lost_workers().items():
                 self._report(task, why)
             self._rejoined()
 
@@ -306,7 +340,7 @@ class ClusterRole:
 
     def _rejoined(self) -> list[str]:
         """Workers restarted since; those reported lost are news (and may be lost again)."""
-        rejoined = self.ext.rejoined_workers()
+        rejoined = self.ext.coordinator.rejoined_workers()
         for task in sorted(self._reported.intersection(rejoined)):
             self._reported.discard(task)
             self.emit(Notice(f"rejoined {task}: it was restarted and trains again"))
@@ -319,7 +353,9 @@ class ClusterRole:
         the ps tasks hold, and the run is interrupted)."""
         if not self.is_chief:
             return
-        waiting = [t for t in self.ext.unfinished_workers() if t not in self._reported]
+        coordinator = self.ext.coordinator
+        others = [t for t in self.ext.worker_tasks if t != coordinator.task]
+        waiting = [t for t in coordinator.unfinished(others) if t not in self._reported]
         if waiting:
             self.emit(Notice(f"waiting for {', '.join(waiting)} to finish (each counts as "
                              f"lost after {self.config.strategy.timeout_s:g} s without an "
@@ -335,7 +371,7 @@ class ClusterRole:
         # the store lives until the chief ends the job: ask before finish() does (the
         # others have finished: settle() waited for them)
         self._rejoined_before_end = self._rejoined() if self.is_chief else []
-        counts = {t: self.ext.steps_done(t) or 0 for t in self.ext.worker_tasks} \
+        counts = {t: self.ext.coordinator.steps_done(t) or 0 for t in self.ext.worker_tasks} \
             if self.is_chief else {}
         self.lost = self.ext.finish(report=self._report)  # the chief ends the job here
         self._ended = True

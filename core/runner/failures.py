@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..cluster.transport import ParameterServerError
 from ..config.problems import ConfigError
 from ..config.user_code import UserCodeError, describe_failure
 from ..data.pipeline import is_worker_death
@@ -21,8 +22,9 @@ from .errors import RunError
 
 __all__ = ["located", "PASSED_ON"]
 
-# csrun's own verdicts, already worded for the user: they pass unchanged
-PASSED_ON = (ConfigError, RunError)
+# csrun's own verdicts, already worded for the user: they pass unchanged (a ps that failed
+# while a replica looked up table rows is the cluster's failure, not the user's code's)
+PASSED_ON = (ConfigError, RunError, ParameterServerError)
 
 
 def located(exc: Exception, where: str, objective, devices: Sequence[str]) -> Exception:

@@ -5,9 +5,10 @@ task -- the ps tasks, the chief (``--chief``, else ``worker:0`` is the chief) an
 workers -- on loopback ports picked free, each with its own ``TF_CONFIG``. Each task
 writes its output to ``<logs>/<job>-<index>.stdout.log`` and ``.stderr.log`` (so a task
 outlives a launcher that dies); the launcher follows the files and reports every line,
-waits, and judges the job by the chief and the ps tasks: a lost worker does not fail it
-(TF's rule; the chief reports it). Without ``--logs`` the logs go to a temporary folder,
-removed when the job went well (kept when it failed or lost a worker).
+waits, and judges the job: a task that fails with an error of its own, the chief or a ps
+fails it; a worker lost to a signal does not (TF's rule; the chief reports it). Without
+``--logs`` the logs go to a temporary folder, removed when the job went well (kept when
+it failed or lost a worker).
 
 Signals: the first Ctrl-C or SIGTERM goes to every task (workers stop after their step,
 the chief saves a checkpoint and ends the job, the ps tasks serve until then); a second
@@ -123,7 +124,8 @@ class LaunchPlan:
 
 @dataclasses.dataclass
 class LaunchResult:
-    """How the job ended. ``status``: ``completed`` (the chief and every ps exited 0),
+    """How the job ended. ``status``: ``completed`` (the chief and every ps exited 0, and
+    no task failed on its own),
     ``failed`` (``failed_task`` failed first; ``error`` says how), ``interrupted``
     (a signal; ``signal`` names it) or ``aborted`` (a second signal killed the tasks)."""
 
@@ -394,13 +396,18 @@ def _judge(plan: LaunchPlan, tasks: dict[str, _Task], begin: float, forwarded: s
            aborted: bool = False) -> LaunchResult:
     result = _read_result(plan.result_path)
     codes = {name: t.exit_code for name, t in tasks.items()}
-    ok = codes[plan.chief] == 0 and all(codes[n] == 0 for n in tasks if n.startswith("ps"))
-    # lost: workers that died on their own while the job went on (when it fails, the
-    # workers usually fail because of it)
+    # a task that exits with an error of its own (a positive code) fails the job; a
+    # worker killed by a signal the launcher did not send is lost (TF's rule: the job
+    # goes on without it, and the chief reports it)
+    ok = codes[plan.chief] == 0 and all(codes[n] == 0 for n in tasks if n.startswith("ps")) \
+        and not any((codes[n] or 0) > 0 and not t.signalled for n, t in tasks.items())
     lost = sorted(n for n, t in tasks.items() if not n.startswith("ps") and n != plan.chief
                   and codes[n] != 0 and not t.signalled) if ok else []
-    if result and isinstance(result.get("cluster"), dict):
-        lost = sorted(set(lost) | set(result["cluster"].get("lost_workers") or []))
+    cluster = result.get("cluster") if result else None
+    if isinstance(cluster, dict):  # the chief knows who rejoined (restarted by hand)
+        rejoined = set(cluster.get("rejoined_workers") or []) - \
+            set(cluster.get("lost_workers") or [])
+        lost = sorted((set(lost) - rejoined) | set(cluster.get("lost_workers") or []))
     if aborted:  # by a second signal: forwarded names it
         status, code, signal_name = "aborted", 128 + signal.Signals[forwarded], forwarded
     elif forwarded and not ok:
@@ -422,10 +429,11 @@ def _judge(plan: LaunchPlan, tasks: dict[str, _Task], begin: float, forwarded: s
 
 
 def _first_failure(tasks: dict[str, _Task], codes: dict, chief: str) -> str | None:
-    """Of the chief and the ps tasks (the job fails with them), the one that failed
-    first: the cause; the others often fail because of it."""
-    failed = [n for n in tasks if codes[n] not in (0, None)
-              and (n == chief or n.startswith("ps"))]
+    """Of the chief, the ps tasks and the workers that failed on their own (the job
+    fails with them), the one that failed first: the cause; the others often fail
+    because of it."""
+    failed = [n for n in tasks if codes[n] not in (0, None) and (
+        n == chief or n.startswith("ps") or codes[n] > 0 and not tasks[n].signalled)]
     return min(failed, key=lambda n: tasks[n].ended_at or 0) if failed else None
 
 

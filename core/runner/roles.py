@@ -44,6 +44,14 @@ class Role(Protocol):
     def settle(self) -> None:
         """After the last step, before the last checkpoint."""
 
+    def checkpointed(self, model: torch.nn.Module) -> Any:
+        """What goes into a checkpoint as the model (its ``state_dict``)."""
+
+    def unsaved(self) -> bool:
+        """After :meth:`settle`: whether the job's state changed since this process's
+        last checkpoint beyond what its own step shows (another worker's updates): then
+        the last checkpoint is written again."""
+
     def end(self, result: RunResult, model: torch.nn.Module) -> RunResult:
         """The result to report; this process's part of the job is over."""
 
@@ -76,6 +84,12 @@ class LocalRole:
 
     def settle(self) -> None:
         pass
+
+    def unsaved(self) -> bool:
+        return False
+
+    def checkpointed(self, model: torch.nn.Module):
+        return model
 
     def end(self, result: RunResult, model: torch.nn.Module) -> RunResult:
         return result

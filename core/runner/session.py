@@ -153,13 +153,14 @@ class Session:
 
     # -- checkpoints: the parts, in the order they are restored ----------------------------
     def _parts(self) -> list:
-        return [self.role, Entry("model", self.model), Entry("optimizer", self.optimizer),
+        return [self.role, Entry("model", self.role.checkpointed(self.model)),
+                Entry("optimizer", self.optimizer),
                 Entry("schedule", self.schedule), self.state, self.evaluator,
                 Entry("scaler", self.precision, required=False),
                 Entry("rng", GlobalGenerators())]
 
-    def save(self) -> None:
-        self.checkpoints.save(self.state.step, self._parts())
+    def save(self, again: bool = False) -> None:
+        self.checkpoints.save(self.state.step, self._parts(), again)
 
     def restore(self) -> None:
         """Continue from the newest checkpoint (model, optimizer, schedule, RNG, data)."""
@@ -174,6 +175,10 @@ class Session:
             self.emit(Notice(f"the run stopped early at step {stopped['step']} "
                              f"({stopped['metric']} did not improve): nothing to train "
                              "(raise train.early_stopping.patience to go on)"))
+        if state.step == self.total_steps:
+            self.emit(Notice(f"the checkpoint's run is complete (step {state.step} of "
+                             f"{self.total_steps}): nothing to train (raise train.steps or "
+                             "epochs to go on)"))
         if state.step > self.total_steps:  # train.steps was lowered since
             self.emit(Notice(f"the checkpoint's step {state.step} is past the "
                              f"{self.total_steps} steps configured: nothing to train "
@@ -207,7 +212,7 @@ class Session:
         if stop.is_set():
             self.emit(Notice(f"interrupted after step {state.step}"))
         self.role.settle()
-        self.save()
+        self.save(again=self.role.unsaved())  # all the job's updates, in a ps job
 
     def _start(self, start: dict) -> dict:
         """Where the role says training starts; a restarted worker that hears only its

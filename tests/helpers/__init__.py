@@ -9,6 +9,7 @@
 ``injected_faults``  a user model that fails on cue (NaN, inf, an exception)
 ``crash_driver``     a script: ``csrun`` killed at a point of writing a checkpoint
 ``cluster_tasks``    the tasks of a parameter-server job as ``csrun train`` processes
+``ps_cluster``       ps tasks serving in threads of the test's process, and a worker
 ``ps_task``          a script: one task of a test cluster through the library
 ``replica_training`` a few SGD steps through a strategy, as bytes, to compare modes
 ``soak_checks``      what a soak samples and the limits it must stay within

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from csrun.core.cluster.client import ParameterServerClient
+from csrun.core.cluster.coordinator import JobCoordinator
 from csrun.core.cluster.resolvers import SimpleClusterResolver
 from csrun.core.cluster.server import ParameterServer
-from csrun.core.cluster.sharded_variable import Shard
+from csrun.core.cluster.plan import Shard
 from csrun.core.cluster.transport import ClusterMismatch
 from csrun.core.runner.launch import free_ports
 
@@ -277,13 +278,16 @@ def test_a_task_with_another_config_is_refused_naming_the_keys(tmp_path, tasks):
     ps.finish(timeout=60)
 
 
+def _client(resolver, timeout: float) -> ParameterServerClient:
+    return ParameterServerClient(resolver, JobCoordinator(resolver, timeout), timeout)
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_with_another_model_is_told_what_differs(serving_ps):
     """Through the library (no config to compare): the ps compares shapes at
     registration instead of failing the push ("ps:0 stopped answering")."""
     spec = serving_ps
-    first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 0), timeout=30)
-    second = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
+    first, second = (_client(SimpleClusterResolver(spec, "worker", i), 30) for i in (0, 1))
     def shards(rows):
         return [[(Shard(0, 0, 0, rows, 0), torch.zeros(rows, 8), {"rows": False}),
                  (Shard(1, 1, 0, rows, 0), torch.zeros(rows), {"rows": False})]]
@@ -441,14 +445,14 @@ def test_a_worker_that_finished_or_runs_is_not_played_again(serving_ps):
     (after min(CLAIM_GRACE_S, timeout)), and once the first finished."""
     from csrun.core.cluster.transport import DuplicateTask
     spec = serving_ps
-    first = ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=30)
+    first = _client(SimpleClusterResolver(spec, "worker", 1), 30)
     with pytest.raises(DuplicateTask, match="worker:1 is already running in this job"):
-        ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
+        JobCoordinator(SimpleClusterResolver(spec, "worker", 1), timeout=1)
     first.finish()  # its goodbye: the ps marks worker:1 finished
     deadline = time.monotonic() + 30
     while True:  # "already running" until the ps has read the goodbye
         with pytest.raises(DuplicateTask) as refused:
-            ParameterServerClient(SimpleClusterResolver(spec, "worker", 1), timeout=1)
+            JobCoordinator(SimpleClusterResolver(spec, "worker", 1), timeout=1)
         if "worker:1 already did its part of this job" in str(refused.value):
             break
         assert time.monotonic() < deadline, refused.value

@@ -140,12 +140,14 @@ def test_a_dead_ps_stops_the_job_with_a_clear_error_and_the_checkpoint_intact(la
     assert "parameter server ps:1" in output and "cannot go on" in output
     assert "the last checkpoint (step" in output and "is intact" in output
     assert "Traceback" not in output
-    # the newest checkpoint verifies and holds both ps tasks' variables, whole
+    # the newest checkpoint verifies and indexes both ps tasks' shards of every variable
     manifest = sorted((tmp_path / "ck").glob("*.json"))[-1]
     identity = json.loads(manifest.read_text())["identity"]
-    payload, _ = CheckpointManager(tmp_path / "ck", 2, identity).load_latest()
-    assert payload["ps"]["format"] == "whole-variables"
+    payload, listed = CheckpointManager(tmp_path / "ck", 2, identity).load_latest()
+    assert payload["ps"]["format"] == "shards-1"
     assert len(payload["ps"]["variables"]) == 4  # the MLP's weights and biases
+    assert sorted(f["ps"] for f in payload["ps"]["files"]) == [0, 1]
+    assert [f["file"] for f in listed["files"]] == [f["file"] for f in payload["ps"]["files"]]
 
 
 @pytest.mark.timeout(240)

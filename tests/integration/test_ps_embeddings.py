@@ -2,15 +2,13 @@
 tasks in this process (threads, loopback): one worker ends on the parameters central
 storage reaches (same initial values, same batches), whatever the sharding."""
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from csrun.core import (CentralStorageStrategy, FixedShardsPartitioner, MinSizePartitioner,
                         ParameterServerStrategy, StrategyOptions)
-from csrun.core.runner.launch import free_ports
+from tests.helpers.ps_cluster import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,37 +60,6 @@ def train(strategy, sparse: bool, optimizer: str, steps: int = 6):
         for o in optimizers:
             o.step()
     return model
-
-
-class Cluster:
-    """``ps`` ps tasks serving in threads of this process, and one worker's strategy."""
-
-    def __init__(self, ps: int, **kwargs):
-        ports = free_ports(ps + 1)
-        self.spec = {"worker": [f"127.0.0.1:{ports[0]}"],
-                     "ps": [f"127.0.0.1:{p}" for p in ports[1:]]}
-        self.threads = []
-        for k in range(ps):
-            thread = threading.Thread(target=self._serve, args=(k,), daemon=True)
-            thread.start()
-            self.threads.append(thread)
-        self.strategy = ParameterServerStrategy(cluster_spec=self.spec, task_type="worker",
-                                                task_id=0, timeout=60, **kwargs)
-
-    def _serve(self, k: int) -> None:
-        ParameterServerStrategy(cluster_spec=self.spec, task_type="ps", task_id=k,
-                                timeout=60).extended.join()
-
-    def close(self) -> None:
-        self.strategy.extended.finish(timeout=30)
-        for thread in self.threads:
-            thread.join(timeout=30)
-
-    def __enter__(self) -> "Cluster":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def central(sparse: bool, optimizer: str) -> dict:
@@ -322,3 +289,72 @@ def test_a_workers_optimizer_keeps_no_state_of_a_served_table():
         optimizer = cluster.strategy.extended._remote()._optimizer
         assert model.users.weight not in optimizer.state  # Adagrad's sum of it: on the ps
         assert model.tower.weight in optimizer.state  # (made at construction, unused)
+
+
+def _saved_by_shard(folder, ps: int, partitioner, steps: int = 3):
+    """Train, then save by shard into ``folder``: (files, index, the ps state whole)."""
+    with Cluster(ps, variable_partitioner=partitioner) as cluster:
+        train(cluster.strategy, True, "Adagrad", steps=steps)
+        files, index = cluster.strategy.extended.save_shards(str(folder), "ckpt-00000003")
+        return files, index, cluster.strategy.extended.ps_state()
+
+
+@pytest.mark.parametrize("saved_as, restored_as", [
+    ((1, None), (2, FixedShardsPartitioner(3))),
+    ((2, FixedShardsPartitioner(3)), (3, MinSizePartitioner(min_shard_bytes=64, max_shards=5))),
+])
+def test_a_checkpoint_by_shard_restores_into_another_ps_and_shard_count(tmp_path, saved_as,
+                                                                        restored_as):
+    files, index, expected = _saved_by_shard(tmp_path, *saved_as)
+    assert sorted(f["file"] for f in files) == \
+        [f"ckpt-00000003.ps-{k}.safetensors" for k in range(saved_as[0])]
+    with Cluster(restored_as[0], variable_partitioner=restored_as[1]) as cluster:
+        torch.manual_seed(1)  # other initial values: the restore must replace them
+        with cluster.strategy.scope():
+            model = Ranker(True)
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.3)
+        cluster.strategy.extended.restore_shards(index, str(tmp_path), files, "ckpt",
+                                                 optimizer)
+        again = cluster.strategy.extended.ps_state()
+    for var, value in expected["variables"].items():
+        assert torch.equal(again["variables"][var], value), var
+        for slot, saved in expected["slots"][var].items():
+            assert torch.equal(again["slots"][var][slot], saved), (var, slot)
+    assert again["steps"] == {"worker:0": 3}
+
+
+def test_a_checkpoint_by_shard_holds_values_and_slots_and_little_else(tmp_path):
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(2)) as cluster:
+        with cluster.strategy.scope():
+            table = torch.nn.Embedding(20_000, 16, sparse=True)
+            optimizer = torch.optim.Adagrad(table.parameters(), lr=0.1)
+        cluster.strategy.run(lambda i: table(i).sum().backward(),
+                             args=(torch.tensor([3, 17_000]),))
+        optimizer.step()
+        files, _ = cluster.strategy.extended.save_shards(str(tmp_path), "ckpt-00000001")
+    held = 2 * 20_000 * 16 * 4 + 2 * 4  # the table, Adagrad's sum of it, its steps
+    on_disk = sum((tmp_path / f["file"]).stat().st_size for f in files)
+    assert held <= on_disk <= 1.1 * held
+
+
+@pytest.mark.parametrize("forge, message", [
+    (lambda index: index["files"][0]["shards"][0].update(rows=49, shape=[49, 4]),
+     r"ps.files hold 49 of variable 0's 50 rows"),
+    (lambda index: index["steps"].update({"worker:0": -50}),
+     r"ps.steps.worker:0 is -50, not a whole number"),
+    (lambda index: index["variables"][0].update(shape=[51, 4]),
+     r"ps.variables.0 is float32 \[51, 4\], the model's is float32 \[50, 4\]"),
+    (lambda index: index["files"][0].update(sha256="0" * 64),
+     r"ps.files.0 names a file its manifest does not list"),
+])
+def test_a_forged_index_is_refused_naming_the_checkpoint_and_field(tmp_path, forge, message):
+    from csrun.core.cluster.shard_index import CheckpointIndexError
+    files, index, _ = _saved_by_shard(tmp_path, 1, None, steps=1)
+    forge(index)
+    with Cluster(1) as cluster:
+        with cluster.strategy.scope():
+            model = Ranker(True)
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.3)
+        with pytest.raises(CheckpointIndexError, match=r"checkpoint 'ck.pt': " + message):
+            cluster.strategy.extended.restore_shards(index, str(tmp_path), files, "ck.pt",
+                                                     optimizer)

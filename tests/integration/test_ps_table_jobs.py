@@ -132,3 +132,49 @@ def test_a_checkpoint_of_one_sharding_resumes_in_another(tmp_path):
     assert straight.returncode == 0, straight.stdout + straight.stderr
     whole = json.loads((tmp_path / "straight" / "c.json").read_text())["result"]
     assert resumed["params_sha256"] == whole["params_sha256"]
+
+
+SLOW = """\
+import json, os, time
+
+import torch
+
+
+class Slow(torch.nn.Module):
+    \"\"\"An MLP whose forward on worker:1 takes 50 ms longer: that worker finishes last.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                       torch.nn.Linear(8, 3))
+        task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+        self.delay = 0.05 if task == {"type": "worker", "index": 1} else 0.0
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return self.net(x)
+"""
+
+
+@pytest.mark.timeout(420)
+def test_a_completed_jobs_last_checkpoint_holds_a_slow_workers_last_updates(tmp_path):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "slow.py").write_text(SLOW)
+    config = CONFIG.replace('model: {kind: import, target: "ranker:Ranker"}',
+                            'model: {kind: import, target: "slow:Slow"}')
+    done = launch(folder, "launch", "c.yaml", "--workers", "2", "--ps", "1",
+                  "checkpoint={dir: ckpt, every_steps: 10}", config=config, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifests = sorted((folder / "ckpt").glob("ckpt-*.json"))
+    manifest = json.loads(manifests[-1].read_text())
+    assert manifest["step"] == 30
+    payload = torch.load(folder / "ckpt" / manifest["file"], weights_only=True)
+    # written again once worker:1 (slower) finished: every worker's 30 steps are in it
+    assert payload["ps"]["steps"] == {"worker:0": 30, "worker:1": 30}
+    again = launch(folder, "launch", "c.yaml", "--workers", "2", "--ps", "1",
+                   "checkpoint={dir: ckpt, every_steps: 10}", "--resume", config=config,
+                   timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "the checkpoint's run is complete (step 30 of 30): nothing to train" in again.stdout
+    assert "step 1/" not in again.stdout and "step 31" not in again.stdout

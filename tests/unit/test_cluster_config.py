@@ -198,6 +198,21 @@ def test_per_replica_batches_work_in_a_cluster_and_divide_among_all_its_replicas
     assert problem.path == "dataset.steps.0.size" and "among 2 replicas" in problem.message
 
 
+@pytest.mark.parametrize("size, workers, ok", [(1, 2, False), (2, 2, True), (4, 3, False),
+                                              (5, 3, True), (3, 2, True)])
+def test_a_global_batch_that_leaves_a_worker_nothing_is_refused(size, workers, ok):
+    cluster = {"worker": [f"127.0.0.1:{2223 + i}" for i in range(workers)],
+               "ps": ["127.0.0.1:2222"]}
+    overrides = [f"dataset.steps.0.size={size}"]
+    if ok:
+        load(overrides=overrides, environ=tf_config(cluster))
+        return
+    (problem,) = problems(overrides=overrides, environ=tf_config(cluster))
+    assert problem.path == "dataset.steps.0.size"
+    assert f"a global batch of {size} over {workers} workers leaves the last worker no " \
+           "example in any step" in problem.message
+
+
 def test_a_chief_that_fails_while_setting_up_still_ends_the_job(monkeypatch):
     # else the ps tasks serve forever and the other workers wait for the chief's init
     from csrun.core.runner import cluster_role as cluster_runner
@@ -224,13 +239,13 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
 
     import torch.distributed as dist
 
-    from csrun.core.cluster.client import ParameterServerClient
+    from csrun.core.cluster.coordinator import JobCoordinator
     from csrun.core.cluster.transport import ParameterServerError
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
-    client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
-    client._store, client._stop, client._watch = store, None, None
+    client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
+    client.store, client.stop, client._watch = store, None, None
     threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
     # heard: waiting out the 20 s would raise "did not initialize the variables" instead
     with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
@@ -249,7 +264,7 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     import torch.distributed as dist
 
     from csrun.core.runner.launch import free_ports
-    from csrun.core.cluster.client import ParameterServerClient, _job_store
+    from csrun.core.cluster.coordinator import JobCoordinator, _job_store
     from csrun.core.cluster.transport import ParameterServerError
 
     (port,) = free_ports(1)
@@ -260,8 +275,8 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     try:
         assert host.stdout.readline().strip() == "up"
         raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
-        client = ParameterServerClient.__new__(ParameterServerClient)  # only its store is used
-        client._store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
+        client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
+        client.store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
         client._watch = None
         assert client.global_step == 0
         host.kill()

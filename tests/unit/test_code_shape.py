@@ -8,7 +8,9 @@ import ast
 import pathlib
 
 RUNNER = pathlib.Path(__file__).resolve().parents[2] / "core" / "runner"
+CLUSTER = RUNNER.parent / "cluster"
 MAX_LINES, MAX_METHODS = 300, 20
+MAX_CLUSTER_METHODS = 25  # issue 37: the ps client once had 34 methods
 
 
 def _classes(path: pathlib.Path):
@@ -25,6 +27,19 @@ def test_no_runner_class_is_too_big():
            for name, lines, methods in _classes(path)
            if lines > MAX_LINES or methods > MAX_METHODS]
     assert not big, "split these by concern:\n" + "\n".join(big)
+
+
+def test_no_cluster_class_is_too_big_or_reaches_into_anothers_fields():
+    big = [f"{path.name}: {name} has {methods} methods" for path in sorted(CLUSTER.glob("*.py"))
+           for name, _, methods in _classes(path) if methods > MAX_CLUSTER_METHODS]
+    assert not big, "split these by concern:\n" + "\n".join(big)
+    reaches = [f"{path.name}:{node.lineno}: .{node.attr} of {ast.unparse(node.value)}"
+               for path in sorted(CLUSTER.glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+               and not node.attr.startswith("__")
+               and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+    assert not reaches, "use a method of the other class:\n" + "\n".join(reaches)
 
 
 def test_the_check_sees_a_big_class(tmp_path):

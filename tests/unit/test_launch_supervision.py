@@ -70,10 +70,35 @@ def test_a_job_whose_tasks_all_end_well_completes(tmp_path):
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_a_lost_worker_does_not_fail_the_job(tmp_path):
-    result, _ = run(plan(tmp_path, worker_1="raise SystemExit(3)",
+    result, _ = run(plan(tmp_path, worker_1="import os, signal; "
+                                            "os.kill(os.getpid(), signal.SIGKILL)",
                          worker_0="import time; time.sleep(0.5)"))
     assert result.status == "completed" and result.exit_code == 0
-    assert result.lost_workers == ["worker:1"] and codes(result)["worker:1"] == 3
+    assert result.lost_workers == ["worker:1"] and codes(result)["worker:1"] == -9
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_a_worker_that_fails_on_its_own_fails_the_job_naming_it(tmp_path):
+    result, _ = run(plan(tmp_path, worker_1="import sys; print('error: worker 1 of 2 has no "
+                                            "example', file=sys.stderr); sys.exit(1)",
+                         worker_0="import time; time.sleep(0.5)"))
+    assert result.status == "failed" and result.exit_code == 1
+    assert result.failed_task == "worker:1"
+    assert result.error == "worker:1 failed first (exit 1): error: worker 1 of 2 has no example"
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_a_worker_the_chief_saw_rejoin_is_not_reported_lost(tmp_path):
+    result_file = tmp_path / "worker-0.result.json"
+    chief = ("import json, time; time.sleep(0.5); open(%r, 'w').write(json.dumps("
+             "{'cluster': {'lost_workers': [], 'rejoined_workers': ['worker:1']}}))"
+             % str(result_file))
+    result, _ = run(plan(tmp_path, worker_1="import os, signal; "
+                                            "os.kill(os.getpid(), signal.SIGKILL)",
+                         worker_0=chief))
+    assert result.status == "completed" and result.lost_workers == []
 
 
 @pytest.mark.process

@@ -11,7 +11,7 @@ import json
 import pytest
 
 import csrun.core as cs
-from csrun.core.cluster.sharded_variable import placement
+from csrun.core.cluster.plan import placement
 
 
 def test_variables_go_round_robin_over_the_ps_tasks_in_creation_order():

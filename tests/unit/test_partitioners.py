@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from csrun.core import FixedShardsPartitioner, MinSizePartitioner, Partitioner
-from csrun.core.cluster.sharded_variable import Layout, partitioner_from_config
+from csrun.core.cluster.plan import ShardingPlan, placement, shard_count
+from csrun.core.cluster.sharded_variable import partitioner_from_config
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.cluster_role import job_settings
 from csrun.core.runner.preflight import load_config_text
@@ -13,34 +14,99 @@ from csrun.core.runner.preflight import load_config_text
 
 def test_fixed_shards_as_tfs_docstring_says():
     assert FixedShardsPartitioner(2)((10, 3), torch.float32) == [2, 1]
-    assert FixedShardsPartitioner(4).num_shards((3, 5), torch.float32) == 3  # one per row
-    assert FixedShardsPartitioner(4).num_shards((), torch.float32) == 1      # a scalar
+    assert shard_count(FixedShardsPartitioner(4), (3, 5), torch.float32) == 3  # one per row
+    assert shard_count(FixedShardsPartitioner(4), (), torch.float32) == 1      # a scalar
     with pytest.raises(ValueError, match="num_shards must be at least 1"):
         FixedShardsPartitioner(0)
 
 
 def test_min_size_gives_one_shard_per_min_shard_bytes_rounded_up_as_tf():
     partitioner = MinSizePartitioner(min_shard_bytes=400, max_shards=8)
-    assert partitioner.num_shards((100, 4), torch.float32) == 4  # 1600 bytes
-    assert partitioner.num_shards((10, 4), torch.float32) == 1   # 160 bytes: whole
-    assert MinSizePartitioner(1, max_shards=3).num_shards((100, 4), torch.float32) == 3
-    assert MinSizePartitioner().num_shards((1000, 4), torch.float32) == 1  # TF's defaults
+    assert shard_count(partitioner, (100, 4), torch.float32) == 4  # 1600 bytes
+    assert shard_count(partitioner, (10, 4), torch.float32) == 1   # 160 bytes: whole
+    assert shard_count(MinSizePartitioner(1, max_shards=3), (100, 4), torch.float32) == 3
+    assert shard_count(MinSizePartitioner(), (1000, 4), torch.float32) == 1  # TF's defaults
     # 300 KiB over TF's 256 KiB: two shards (TF's min_max_variable_partitioner rounds up)
-    assert MinSizePartitioner(max_shards=4).num_shards((76800, 1), torch.float32) == 2
+    assert shard_count(MinSizePartitioner(max_shards=4), (76800, 1), torch.float32) == 2
 
 
 def test_a_partitioner_that_splits_anything_but_dim_0_is_refused_naming_it():
     class Columns(Partitioner):
-        def __call__(self, shape, dtype):
+        def __call__(self, shape, dtype, axis=0):
             return [1, 2]
 
-    with pytest.raises(ValueError, match=r"Columns returned \[1, 2\] for shape \[6, 4\]; "
-                                         r"a partitioner splits dim 0 only"):
-        Layout.of([torch.zeros(6, 4)], 2, partitioner=Columns())
+    with pytest.raises(ValueError, match=r"variable_partitioner must return a list/tuple "
+                                         r"whose elements are 1 besides the first element "
+                                         r"\(non-zero\), got: \[1, 2\]"):
+        ShardingPlan.of([torch.zeros(6, 4)], 2, partitioner=Columns())
+
+
+class Returns(Partitioner):
+    def __init__(self, parts):
+        self.parts = parts
+
+    def __call__(self, shape, dtype, axis=0):
+        return self.parts
+
+
+# TF 2.21's ParameterServerStrategyV2._create_variable and its partitioners, as run
+@pytest.mark.parametrize("partitioner, shape, shards", [
+    (Returns([2]), (4, 4), 2),          # shorter than the shape: TF takes it
+    (Returns([2, 1, 1]), (4, 4), 2),    # longer: too
+    (Returns([3]), (1, 4), 1),          # a one-row variable reaches the partitioner
+    (Returns([True, 1]), (4, 4), 1),    # True == 1
+    (MinSizePartitioner(4, 3), (0, 4), 1),  # no rows: [1, 1], whole
+    (MinSizePartitioner(1.5, 1000), (25, 1), 25),  # ceil(100 / 1.5) = 67, 25 rows
+    (MinSizePartitioner(1, 3, bytes_per_string=4), (10, 1), 3),
+])
+def test_the_partitioners_results_are_taken_as_tf_takes_them(partitioner, shape, shards):
+    assert shard_count(partitioner, shape, torch.float32) == shards
+
+
+@pytest.mark.parametrize("partitioner, shape, message", [
+    (FixedShardsPartitioner(2), (0, 4), r"besides the first element \(non-zero\), got: \[0, 1\]"),
+    (Returns([]), (4, 4), r"got: \[\]"),
+    (Returns([2.5, 1]), (4, 4), r"first element must be a positive whole number"),
+    (Returns([3, 1]), (0, 4), r"into 3 shards, but it has no rows"),
+])
+def test_what_tf_refuses_is_refused_naming_the_partitioner(partitioner, shape, message):
+    with pytest.raises(ValueError, match=message):
+        shard_count(partitioner, shape, torch.float32)
+
+
+def test_partitioners_take_tfs_arguments_and_refuse_counts_that_are_not_counts():
+    assert FixedShardsPartitioner(2)((10, 4), torch.float32, axis=1) == [1, 2]
+    with pytest.raises(IndexError):  # TF's own answer for a scalar
+        FixedShardsPartitioner(2)((), torch.float32)
+    with pytest.raises(ValueError, match=r"Cannot partition variable along axis 0 when "
+                                         r"shape is only \(\)"):
+        MinSizePartitioner(4, 3)((), torch.float32)
+    for count in (2.5, "2", True):  # TF takes them, then fails making a variable
+        with pytest.raises(TypeError, match="num_shards must be a whole number"):
+            FixedShardsPartitioner(count)
+    with pytest.raises(ValueError, match="min_shard_bytes` must be positive"):
+        MinSizePartitioner(0)
+    with pytest.raises(ValueError, match="bytes_per_string` must be positive"):
+        MinSizePartitioner(bytes_per_string=0)
+
+
+def test_a_colocated_variable_is_not_counted_by_the_round_robin():
+    # TF: colocate_vars_with places a variable with its target, outside the count
+    assert placement([4] * 6, 3, colocate={1: 0, 5: 0}) == [0, 0, 1, 2, 0, 0]
+    plan = ShardingPlan.of([torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)],
+                           3, colocate={1: 0})
+    assert [s.ps for s in plan.shards] == [0, 0, 1, 2]
+
+
+def test_a_variable_without_rows_is_placed_whole():
+    plan = ShardingPlan.of([torch.zeros(0, 4), torch.zeros(3)], 2,
+                           partitioner=MinSizePartitioner(4, 3))
+    assert [(s.var, s.rows, s.ps) for s in plan.shards] == [(0, 0, 0), (1, 1, 1), (1, 1, 0),
+                                                           (1, 1, 1)]
 
 
 def test_shards_split_rows_tfs_way_and_go_round_robin_as_variables_would():
-    layout = Layout.of([torch.zeros(10, 2), torch.zeros(3)], 2,
+    layout = ShardingPlan.of([torch.zeros(10, 2), torch.zeros(3)], 2,
                        partitioner=FixedShardsPartitioner(3))
     assert [(s.var, s.start, s.stop, s.ps) for s in layout.shards] == [
         (0, 0, 4, 0), (0, 4, 7, 1), (0, 7, 10, 0), (1, 0, 1, 1), (1, 1, 2, 0), (1, 2, 3, 1)]
@@ -50,7 +116,7 @@ def test_shards_split_rows_tfs_way_and_go_round_robin_as_variables_would():
 
 
 def test_unpartitioned_and_colocated_variables_stay_whole():
-    layout = Layout.of([torch.zeros(10, 2), torch.zeros(8)], 3, colocate={1: 0},
+    layout = ShardingPlan.of([torch.zeros(10, 2), torch.zeros(8)], 3, colocate={1: 0},
                        partitioner=FixedShardsPartitioner(2))
     assert [(s.var, s.rows) for s in layout.shards] == [(0, 5), (0, 5), (1, 8)]
     assert layout.owner(1) == layout.owner(0)

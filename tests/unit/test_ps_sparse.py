@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from csrun.core.cluster.embedding_lookup import SPARSE_OPTIMIZERS
-from csrun.core.cluster.parameter_server_strategy import check_sparse_support
+from csrun.core.cluster.remote_store import check_sparse_support
 from csrun.core.config.problems import ConfigError
 from csrun.core.runner.preflight import load_config_text
 

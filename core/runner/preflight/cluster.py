@@ -50,6 +50,8 @@ def cluster_problems(sections: dict[str, Any], environ: Mapping[str, str] | None
     dataset = sections.get("dataset")
     if resolver is not None and dataset is not None and dataset.distribute == "per_replica":
         problems += _per_replica_problems(dataset, strategy, resolver.cluster_spec())
+    elif resolver is not None and dataset is not None:
+        problems += _empty_share_problems(dataset, resolver.cluster_spec())
     if strategy.compute_devices is not None and strategy.num_gpus_per_worker:
         problems.append(Problem("strategy.num_gpus_per_worker", "is set together with "
                                 "compute_devices, which already names the replicas",
@@ -75,6 +77,26 @@ def _per_replica_problems(dataset: Any, strategy: Any, spec: ClusterSpec) -> lis
                     f"not divide among the job's {replicas} replicas ({workers} workers x "
                     f"{local}; distribute: per_replica)", f"use a multiple of {replicas}, "
                     f"e.g. {batch.size // replicas * replicas or replicas}")]
+
+
+def _empty_share_problems(dataset: Any, spec: ClusterSpec) -> list[Problem]:
+    """With ``distribute: global`` each of W workers takes ceil(B / W) consecutive
+    examples of a global batch of B (TF's split): a batch that leaves the last worker
+    none leaves it none in every step, and it could never train."""
+    workers = spec.num_tasks("chief") + spec.num_tasks("worker")
+    k, batch = next(((k, s) for k, s in enumerate(dataset.steps) if s.op == "batch"),
+                    (None, None))
+    if batch is None or workers < 2:
+        return []
+    share = -(-batch.size // workers)
+    if (workers - 1) * share < batch.size:
+        return []
+    fits = next(b for b in range(batch.size + 1, batch.size + workers * workers + 1)
+                if (workers - 1) * -(-b // workers) < b)
+    return [Problem(f"dataset.steps.{k}.size", f"a global batch of {batch.size} over "
+                    f"{workers} workers leaves the last worker no example in any step (each "
+                    f"takes up to ceil({batch.size} / {workers}) = {share}, TF's split)",
+                    f"use a global batch of at least {fits}, e.g. a multiple of {workers}")]
 
 
 def _check_gpus(count: int) -> list[Problem]:

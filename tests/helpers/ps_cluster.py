@@ -1,0 +1,45 @@
+"""Parameter servers serving in threads of the test's process (loopback), and one
+worker's strategy: ps jobs tested through the library without starting processes."""
+
+import threading
+
+from csrun.core import ParameterServerStrategy
+from csrun.core.cluster.resolvers import SimpleClusterResolver
+from csrun.core.cluster.server import ParameterServer
+from csrun.core.runner.launch import free_ports
+
+
+class Cluster:
+    """``ps`` ps tasks serving in threads (``servers``), and one worker's ``strategy``."""
+
+    def __init__(self, ps: int, **kwargs):
+        ports = free_ports(ps + 1)
+        self.spec = {"worker": [f"127.0.0.1:{ports[0]}"],
+                     "ps": [f"127.0.0.1:{p}" for p in ports[1:]]}
+        self.servers, self.threads = [None] * ps, []
+        ready = [threading.Event() for _ in range(ps)]
+        for k in range(ps):
+            thread = threading.Thread(target=self._serve, args=(k, ready[k]), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        for event in ready:
+            event.wait(60)
+        self.strategy = ParameterServerStrategy(cluster_spec=self.spec, task_type="worker",
+                                                task_id=0, timeout=60, **kwargs)
+
+    def _serve(self, k: int, ready: threading.Event) -> None:
+        self.servers[k] = ParameterServer(SimpleClusterResolver(self.spec, "ps", k),
+                                          timeout=60, chief="worker:0")
+        ready.set()
+        self.servers[k].serve()
+
+    def close(self) -> None:
+        self.strategy.extended.finish(timeout=30)
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
