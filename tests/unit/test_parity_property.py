@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import csrun.core as cs
@@ -98,10 +98,30 @@ def _train(recipe, batch, strategy=None):
     return model.state_dict(), grads
 
 
+def _constant_batch_norm_input(recipe, batch) -> bool:
+    """Whether a BatchNorm of the plain model's first step sees a feature equal across the
+    batch (a ReLU before it zeroed every example). Its output is then 0 up to float32
+    noise: torch's kernel gives 1.2e-7 where the synchronized one gives exactly 0, and a
+    ReLU after it turns that noise into a whole gradient (0.18 against 0) -- an
+    ill-conditioned case, not a difference between replicas and one device."""
+    torch.manual_seed(0)
+    model, constant = Net(recipe), []
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, recipe[0], generator=g)
+    hooks = [m.register_forward_pre_hook(
+        lambda _, args: constant.append(bool((args[0] == args[0][:1]).all(0).any())))
+        for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    model(x)
+    for hook in hooks:
+        hook.remove()
+    return any(constant)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(recipe=networks(), batch=st.integers(2, 13), replicas=st.sampled_from([2, 3]),
        copy=st.booleans(), execution=st.sampled_from(["auto", "ordered", "concurrent"]))
 def test_replicas_equal_one_device(recipe, batch, replicas, copy, execution):
+    assume(not _constant_batch_norm_input(recipe, batch))
     strategy = cs.CentralStorageStrategy(
         [f"CPU:{i}" for i in range(replicas)], "CPU:0",
         options=cs.StrategyOptions(copy_parameters=copy, execution=execution))
