@@ -14,23 +14,26 @@ that replica's *leaf* for the central parameter:
 * same physical device as the parameter device: a detached alias sharing its storage
   (no copy; one per replica, so each replica's backward fills its own ``.grad``);
 * another device (a GPU replica, or any replica when ``copy_parameters=True``): a view
-  into a flat buffer on the replica's device, refreshed with one coalesced copy per dtype
-  at each run's first read (and after ``merge_call``): a write through ``.data`` changes
-  no version, so every run copies, as ``DataParallel`` does on every forward.
+  into a flat buffer on the replica's device, refreshed with one coalesced copy per
+  bucket (:mod:`.buckets`) at each run's first read (and after ``merge_call``): a write
+  through ``.data`` changes no version, so every run copies, as ``DataParallel`` does on
+  every forward.
 
 An alias replica is served the parameters it read in the previous run before it starts
 (:meth:`ParameterStore._serve_again`): a first read inside a concurrent replica costs
 several times more than here, the replicas contending for the GIL.
 
 **Gradients.** When the replicas have finished, each replica's leaf gradients are moved to
-the parameter device (one coalesced copy per replica device) and added to the central
-``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
+the parameter device (a copy replica's in one coalesced copy per bucket, most of them
+started by its backward: :mod:`.buckets`) and added to the central ``.grad`` in replica
+order, so the result is deterministic. Gradients produced later (a
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
 collected when that backward ends (a pre-hook on each output's ``grad_fn`` queues one
 callback per backward with the autograd engine, as DDP does), so ``clip_grad_norm_`` and
 ``GradScaler.unscale_`` see them; before ``optimizer.step()`` and each ``run`` as well.
-The leaves themselves carry no hook: a Python hook in every replica's backward takes the
-GIL once per parameter, and two replicas contending for it ran 15-20% slower. Alias
+Alias leaves carry no hook: a Python hook in every replica's backward takes the GIL once
+per parameter, and two replicas contending for it ran 15-20% slower (the leaves of a copy
+cut in several buckets do, where a transfer pays for it). Alias
 leaves hold the central tensors weakly: a model deleted by the user is freed, not kept by
 its replicas (device mirrors, for copies, still keep theirs: see
 :meth:`ParameterStore.forget`).
@@ -63,6 +66,7 @@ from torch.optim import optimizer as optim_module
 
 from . import context, sync_batch_norm, torch_internals
 from .broadcast import DeviceMirror, finish_grads
+from .buckets import DEFAULT_BYTES_PER_PACK
 from .torch_internals import plain_tensor_dict, set_tensor_dict, tensor_dict, tensor_version
 from .values import flatten
 from .variables import VariableAggregation
@@ -262,6 +266,8 @@ class ParameterStore:
         # deleted model does not live on in its replicas' aliases (:meth:`forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
+        # the most bytes a copy replica moves in one copy (StrategyOptions.bytes_per_pack)
+        self.bytes_per_pack = DEFAULT_BYTES_PER_PACK
         self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
         # In a run, finish_run collects the leaves' gradients; outside one, a hook on
         # the run's outputs has them collected at the end of the backward through them.
@@ -660,7 +666,7 @@ class ParameterStore:
         mirror = self._mirrors[replica_id]
         if mirror is None:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device,
-                                  self._torch_param)
+                                  self._torch_param, self.bytes_per_pack)
             self._mirrors[replica_id] = mirror
         return mirror
 

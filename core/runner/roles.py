@@ -58,7 +58,8 @@ class LocalRole:
         s = config.strategy
         self.strategy = CentralStorageStrategy(
             s.compute_devices, s.parameter_device,
-            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution))
+            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution,
+                                   bytes_per_pack=s.bytes_per_pack))
         self.parameter_device = self.strategy.extended.parameter_device.short_name
 
     def state_dict(self) -> dict:
