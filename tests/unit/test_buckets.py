@@ -334,3 +334,24 @@ def test_one_bucket_keeps_no_hooks():
         model = _mlp()
     split.run(lambda: model(torch.randn(2, 8)).sum().backward())
     assert [b.hooked for b in split.extended.store.mirror(0).buckets] == [True] * 6
+
+
+def test_a_bad_bucket_size_in_a_config_exits_2_naming_the_key(tmp_path):
+    from typer.testing import CliRunner
+
+    from csrun.cli.main import app
+    from tests.helpers.tiny_config import tiny_config
+    path = tmp_path / "run.yaml"
+    path.write_text(tiny_config("strategy.bytes_per_pack=-1"))
+    line = 1 + path.read_text().splitlines().index(next(
+        n for n in path.read_text().splitlines() if n.startswith("strategy")))
+    runner = CliRunner()
+    result = runner.invoke(app, ["validate", str(path)], catch_exceptions=False)
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert f"{path}:{line}: strategy.bytes_per_pack" in result.stderr
+    result = runner.invoke(app, ["validate", str(path), "strategy.bytes_per_pack=2MB"],
+                           catch_exceptions=False)
+    assert result.exit_code == 2 and "strategy.bytes_per_pack" in result.stderr
+    result = runner.invoke(app, ["validate", str(path), "strategy.bytes_per_pack=4096"],
+                           catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
