@@ -63,8 +63,9 @@ class _Group:
                 if not torch.equal(leaf.detach().to(t.device), t.detach())]
 
     def start_grads(self, transfers: list) -> None:
-        """Each bucket's gradients (:meth:`Bucket.take`); those that did not leave during
-        the backward go now, in one copy."""
+        """Each bucket's gradients into ``transfers``, numbered in the order they left
+        (:meth:`Bucket.take`); those that did not leave during the backward go now, in
+        one copy."""
         rest: list = []
         for bucket in self.buckets:
             bucket.take(transfers, rest)
@@ -75,7 +76,7 @@ class _Group:
             for central, grad in rest:
                 pairs.append((central, offset))
                 offset += grad.numel()
-            transfers.append((pairs, flat, event))
+            transfers.append((self.transport.next_number(), (pairs, flat, event)))
 
 
 class DeviceMirror:
@@ -185,12 +186,13 @@ class DeviceMirror:
         a GPU to a CPU parameter device a non-blocking copy into fresh pinned memory (the
         caching host allocator makes that cheap), so the copies of several GPUs overlap.
         :func:`finish_grads` waits for them. Only leaves that received a gradient take
-        part, with the gradient they hold now.
+        part, with the gradient they hold now. In the order the copies left.
         """
-        transfers: list = []
+        numbered: list = []
         for group in self._groups:
-            group.start_grads(transfers)
-        return transfers
+            group.start_grads(numbered)
+        numbered.sort(key=lambda item: item[0])  # the order they left in
+        return [transfer for _, transfer in numbered]
 
 
 def finish_grads(transfers: list) -> tuple[list, list]:

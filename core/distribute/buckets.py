@@ -44,6 +44,8 @@ no version counter, so nothing else would tell a stale device copy from a curren
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import torch_internals
@@ -85,6 +87,14 @@ class _SameDevice:
     ``copy_parameters``): a copy is a concatenation."""
 
     staged = False
+    # numbers the copies out of one mirror in the order they start, which is the order
+    # they land in (one side stream per device)
+    sequence = None
+
+    def next_number(self) -> int:
+        if self.sequence is None:
+            self.sequence = itertools.count()
+        return next(self.sequence)
 
     def staging(self, numel: int, dtype: torch.dtype):
         return None
@@ -272,12 +282,13 @@ class Bucket:
         if grads:
             with torch.no_grad():  # grads made with create_graph=True are not traced
                 flat, event = self.transport.send(grads)
-            self._sent = (flat, event, entries)
+            self._sent = (flat, event, entries, self.transport.next_number())
 
     def take(self, transfers: list, rest: list) -> None:
         """Hand over the leaves' gradients and clear them: those that left early and are
-        still the current ones as a transfer ``(pairs of (central, offset), flat,
-        event)``; the others, as ``(central, grad)``, into ``rest`` (sent by the caller)."""
+        still the current ones as ``(number, (pairs of (central, offset), flat, event))``
+        into ``transfers`` (``number``: the order it left in); the others, as ``(central,
+        grad)``, into ``rest`` (sent by the caller)."""
         sent, self._sent = self._sent, None
         self._arrived = bytearray(len(self.leaves))
         self._count = 0
@@ -298,4 +309,4 @@ class Bucket:
                 pairs.append((self.tensors[index], offset))
             leaf.grad = None
         if pairs:
-            transfers.append((pairs, sent[0], sent[1]))
+            transfers.append((sent[3], (pairs, sent[0], sent[1])))

@@ -64,7 +64,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
-from . import context, sync_batch_norm, torch_internals
+from . import context, offload, sync_batch_norm, torch_internals
 from .broadcast import DeviceMirror, finish_grads
 from .buckets import DEFAULT_BYTES_PER_PACK
 from .torch_internals import plain_tensor_dict, set_tensor_dict, tensor_dict, tensor_version
@@ -268,6 +268,11 @@ class ParameterStore:
         self._mirrors: list = [None] * len(self.compute_devices)
         # the most bytes a copy replica moves in one copy (StrategyOptions.bytes_per_pack)
         self.bytes_per_pack = DEFAULT_BYTES_PER_PACK
+        # a run's gradients still on their way from GPUs, and an optimizer whose groups
+        # are split by bucket for its step (offload.py)
+        self._arrival: offload.Arrival | None = None
+        self._split: tuple | None = None
+        self._run_ended = False  # finish_run's flush, which may leave gradients arriving
         self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
         # In a run, finish_run collects the leaves' gradients; outside one, a hook on
         # the run's outputs has them collected at the end of the backward through them.
@@ -429,9 +434,44 @@ class ParameterStore:
                 return True
         return False
 
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called before any ``optimizer.step()``: collect gradients still on replicas."""
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple = (),
+                              kwargs: dict | None = None) -> None:
+        """Called before any ``optimizer.step()``: collect gradients still on replicas.
+        Those on their way from GPUs are stepped bucket by bucket as they arrive, the
+        optimizer's groups split for this step (:mod:`.offload`), or waited for here."""
+        self._join_split()  # a step that raised left its groups split
         self.flush_pending()
+        arrival = self._arrival
+        if arrival is None or not any(arrival.owns(p) for group in optimizer.param_groups
+                                      for p in group["params"]):
+            return
+        reason = offload.why_not_by_bucket(optimizer, args, kwargs or {})
+        pieces = offload.split_groups(optimizer, arrival) if reason is None else None
+        if reason is not None:
+            offload.warn_not_by_bucket(optimizer, reason)
+        if pieces is None:
+            self._land_arrival()
+            return
+        self._split = (optimizer, optimizer.param_groups, pieces, len(optimizer.state))
+        optimizer.param_groups = pieces
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` ended: its groups are whole again."""
+        if self._split is not None and self._split[0] is optimizer:
+            self._join_split()
+        if self._arrival is not None and self._arrival.done:
+            self._arrival = None
+
+    def _join_split(self) -> None:
+        split, self._split = self._split, None
+        if split is not None:
+            offload.join_groups(*split)
+
+    def _land_arrival(self) -> None:
+        """Wait for the gradients still on their way (before any others are added)."""
+        arrival, self._arrival = self._arrival, None
+        if arrival is not None:
+            arrival.land_all()
 
     @property
     def generation(self) -> int:
@@ -526,7 +566,11 @@ class ParameterStore:
                 self._aggregate_buffers(servings)
                 break
         self._running = False
-        self.flush_pending()
+        self._run_ended = True  # this flush may leave gradients arriving (offload.py)
+        try:
+            self.flush_pending()
+        finally:
+            self._run_ended = False
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
@@ -561,6 +605,8 @@ class ParameterStore:
 
         Every replica's transfer starts before any is waited for (so copies from several
         devices overlap); they are added in replica order, so the sum is deterministic.
+        At a run's end, gradients still on their way from GPUs may stay so, in ``.grad``
+        as :class:`.offload.ArrivingGrad` (see :meth:`_may_arrive_later`).
         """
         if not (any(self._aliases) or any(self._mirrors)):  # no leaves (yet), or direct
             return
@@ -569,6 +615,11 @@ class ParameterStore:
         with self._lock:
             started = [self._start_leaf_grads(r) for r in range(len(self.compute_devices))]
             if not any(started):  # nothing new since the last flush: the usual re-check
+                return
+            self._land_arrival()  # the earlier gradients first: added in order
+            if self._run_ended and self._may_arrive_later(started):
+                self._arrival = offload.Arrival(started)
+                self._arrival.place()
                 return
             with torch.no_grad():
                 held = {} if self._hooked else None  # hooked tensors: summed, then hooked
@@ -580,6 +631,23 @@ class ParameterStore:
                         accumulate(centrals, grads)
                 if held:
                     _accumulate_hooked(held.values())
+
+    def _may_arrive_later(self, started: list) -> bool:
+        """Whether a run's gradients may land after it returns: every one is on its way
+        from a GPU (a copy with an event), and lands as the synchronous path would add
+        it -- into no earlier gradient, through no hook of the user's."""
+        for replica_id, transfers in enumerate(started):
+            if not transfers:
+                continue
+            if not self.copies[replica_id]:
+                return False
+            for pairs, _, event in transfers:
+                if event is None:
+                    return False
+                for central, _ in pairs:
+                    if central.grad is not None or id(central) in self._hooked:
+                        return False
+        return True
 
     def flush_after_backward(self) -> None:
         """A leaf got a gradient outside a run: flush when the current backward ends
@@ -1042,7 +1110,8 @@ class _GlobalHooks:
                 self._handles = [
                     nn_module.register_module_parameter_registration_hook(_on_parameter),
                     nn_module.register_module_buffer_registration_hook(_on_buffer),
-                    optim_module.register_optimizer_step_pre_hook(_before_optimizer_step)]
+                    optim_module.register_optimizer_step_pre_hook(_before_optimizer_step),
+                    optim_module.register_optimizer_step_post_hook(_after_optimizer_step)]
                 self._hook_methods = torch_internals.route_hook_registration(_note_hooks)
                 self._module_call = torch_internals.route_module_calls(_module_call)
             self._users += 1
@@ -1086,5 +1155,10 @@ def _before_optimizer_step(optimizer, args, kwargs):
             "(cross-replica context), where the replicas' gradients have been summed -- or "
             "inside get_replica_context().merge_call(lambda strategy: optimizer.step())")
     for store in list(_live_stores):
-        store.before_optimizer_step(optimizer)
+        store.before_optimizer_step(optimizer, args, kwargs)
     return None
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    for store in list(_live_stores):
+        store.after_optimizer_step(optimizer)

@@ -20,107 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import csrun.core as cs
 from csrun.core.distribute.buckets import DEFAULT_BYTES_PER_PACK, plan
-
-STEPS = 5
-BATCH = 12
-# every tensor a bucket of its own; two buckets of the MLP; one copy per dtype
-SIZES = (1, 400, 0)
-
-
-def _mlp():
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                         nn.Linear(16, 3))
-
-
-def _bn_mlp():
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _optimizer(kind: str, params):
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if kind == "adam_foreach":
-        return torch.optim.Adam(params, lr=0.01, foreach=True)
-    if kind == "adam_fused":
-        return torch.optim.Adam(params, lr=0.01, fused=True)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
-    raise AssertionError(kind)
-
-
-def _data(steps=STEPS):
-    gen = torch.Generator().manual_seed(7)
-    return [(torch.randn(BATCH, 8, generator=gen), torch.randint(0, 3, (BATCH,), generator=gen))
-            for _ in range(steps)]
-
-
-def _loss(model, x, y):
-    return F.cross_entropy(model(x), y, reduction="sum") / BATCH
-
-
-def _plain(make, kind, data, clip=False, schedule=False, accumulate=False):
-    torch.manual_seed(0)
-    model = make()
-    opt = _optimizer(kind, model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if schedule else None
-    for i, (x, y) in enumerate(data):
-        _loss(model, x, y).backward()
-        if accumulate and i % 2 == 0:
-            continue
-        if clip:
-            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        if sched:
-            sched.step()
-    return _state(model, opt)
-
-
-def _strategy(replicas: int, size: int, **options):
-    return cs.CentralStorageStrategy(
-        [f"CPU:{i}" for i in range(1, replicas + 1)], "CPU:0",
-        options=cs.StrategyOptions(copy_parameters=True, bytes_per_pack=size, **options))
-
-
-def _csrun(make, kind, data, replicas, size, clip=False, schedule=False, accumulate=False,
-           step_fn=None, **options):
-    strategy = _strategy(replicas, size, **options)
-    with strategy.scope():
-        torch.manual_seed(0)
-        model = make()
-        opt = _optimizer(kind, model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if schedule else None
-    step_fn = step_fn or (lambda x, y: _loss(model, x, y).backward())
-    for i, (x, y) in enumerate(data):
-        xs, ys = x.tensor_split(replicas), y.tensor_split(replicas)
-        strategy.run(lambda: step_fn(*_mine(xs, ys)))
-        if accumulate and i % 2 == 0:
-            continue
-        if clip:
-            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        if sched:
-            sched.step()
-    return _state(model, opt), strategy
-
-
-def _mine(xs, ys):
-    r = cs.get_replica_context().replica_id_in_sync_group
-    return xs[r], ys[r]
-
-
-def _state(model, opt):
-    """Parameters, buffers and optimizer state, as flat tensors."""
-    out = [t.detach().clone() for t in model.state_dict().values()]
-    for state in opt.state_dict()["state"].values():
-        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _equal(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
+from tests.helpers import copy_path as cp
 
 def test_plan_fills_buckets_from_the_last_tensor():
     assert plan([4, 4, 4], 4, 32) == [(0, 1), (1, 3)]
@@ -131,44 +31,30 @@ def test_plan_fills_buckets_from_the_last_tensor():
     assert DEFAULT_BYTES_PER_PACK == 25 * 2**20
 
 
-CASES = [
-    ("sgd", _mlp, {}),
-    ("adam_foreach", _mlp, {}),
-    ("adam_fused", _mlp, {}),
-    ("adamw", _mlp, {}),
-    ("sgd", _bn_mlp, {}),
-    ("adam_foreach", _mlp, {"accumulate": True}),
-    ("sgd", _mlp, {"clip": True}),
-    ("adam_foreach", _mlp, {"schedule": True}),
-]
-IDS = ["sgd", "adam-foreach", "adam-fused", "adamw-decay", "batchnorm", "accumulate-2-runs",
-       "clip-after-run", "lr-scheduler"]
-
-
 @pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("kind,make,extra", CASES, ids=IDS)
+@pytest.mark.parametrize("kind,make,extra", cp.CASES, ids=cp.IDS)
 def test_every_bucket_size_trains_alike(kind, make, extra, replicas):
-    data = _data()
-    results = [_csrun(make, kind, data, replicas, size, **extra)[0] for size in SIZES]
-    for size, got in zip(SIZES[:-1], results):
-        assert _equal(got, results[-1]), f"bytes_per_pack={size} differs from one copy"
+    data = cp.batches()
+    results = [cp.train_csrun(make, kind, data, replicas, size, **extra)[0] for size in cp.SIZES]
+    for size, got in zip(cp.SIZES[:-1], results):
+        assert cp.all_equal(got, results[-1]), f"bytes_per_pack={size} differs from one copy"
     if replicas == 1:  # one replica adds nothing: exactly the plain loop
-        assert _equal(results[0], _plain(make, kind, data, **extra))
+        assert cp.all_equal(results[0], cp.train_plain(make, kind, data, **extra))
     else:
-        want = _plain(make, kind, data, **extra)
+        want = cp.train_plain(make, kind, data, **extra)
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(results[0], want))
 
 
 def _two_backwards(model):
     def step(x, y):  # two micro-batches, each with its own backward
         for xm, ym in zip(x.tensor_split(2), y.tensor_split(2)):
-            _loss(model, xm, ym).backward()
+            cp.batch_loss(model, xm, ym).backward()
     return step
 
 
 def _changed_after_backward(model):
     def step(x, y):
-        _loss(model, x, y).backward()
+        cp.batch_loss(model, x, y).backward()
         nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # per replica, in place
         model[0].bias.grad = None
     return step
@@ -181,26 +67,22 @@ def _unused_read(model):
     return step
 
 
-def _late_backward(model):
-    return lambda x, y: _loss(model, x, y)
-
-
 @pytest.mark.parametrize("make_step", [_two_backwards, _changed_after_backward, _unused_read],
                          ids=["two-backwards", "changed-after-backward", "read-unused"])
 def test_gradients_that_change_after_leaving_count_as_they_are_at_the_end(make_step):
     """A bucket leaves when its gradients arrive; a later change in the replica (another
     backward, an in-place clip, a gradient set to None) is what counts, as before."""
-    data = _data(3)
+    data = cp.batches(3)
     got = []
     for size in (1, 0):
-        strategy = _strategy(2, size)
+        strategy = cp.copy_strategy(2, size)
         with strategy.scope():
             torch.manual_seed(0)
-            model = _mlp()
+            model = cp.mlp()
         step = make_step(model)
         for x, y in data:
             xs, ys = x.tensor_split(2), y.tensor_split(2)
-            strategy.run(lambda: step(*_mine(xs, ys)))
+            strategy.run(lambda: step(*cp.own_slice(xs, ys)))
         got.append([p.grad.clone() if p.grad is not None else None
                     for p in model.parameters()])
     for a, b in zip(*got):
@@ -210,17 +92,17 @@ def test_gradients_that_change_after_leaving_count_as_they_are_at_the_end(make_s
 
 
 def test_a_backward_after_run_and_a_frozen_parameter():
-    data = _data(2)
+    data = cp.batches(2)
     got = []
     for size in (1, 0):
-        strategy = _strategy(2, size)
+        strategy = cp.copy_strategy(2, size)
         with strategy.scope():
             torch.manual_seed(0)
-            model = _mlp()
+            model = cp.mlp()
         model[2].weight.requires_grad_(False)
         for x, y in data:
             xs, ys = x.tensor_split(2), y.tensor_split(2)
-            losses = strategy.run(lambda: _loss(model, *_mine(xs, ys)))
+            losses = strategy.run(lambda: cp.batch_loss(model, *cp.own_slice(xs, ys)))
             strategy.reduce("SUM", losses, axis=None).backward()  # outside the run
         got.append([p.grad for p in model.parameters()])
     assert got[0][2] is None and got[1][2] is None
@@ -248,7 +130,7 @@ class _Mixed(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = _mlp()
+        self.body = cp.mlp()
         self.head = nn.Linear(3, 2).double()
 
     def forward(self, x):
@@ -258,7 +140,7 @@ class _Mixed(nn.Module):
 @pytest.mark.parametrize("size", [1, 400, 0])
 def test_a_step_moves_each_bucket_once_each_way(size):
     """Per replica and dtype, as many copies in and out as buckets, each parameter once."""
-    strategy = _strategy(2, size, execution="ordered")  # replicas on this thread
+    strategy = cp.copy_strategy(2, size, execution="ordered")  # replicas on this thread
     with strategy.scope():
         torch.manual_seed(0)
         model = _Mixed()
@@ -287,9 +169,9 @@ def test_a_step_moves_each_bucket_once_each_way(size):
 
 def test_gradients_leave_while_the_backward_still_runs():
     """The last layer's bucket has left when the backward reaches the first layer."""
-    strategy = _strategy(1, 1, execution="ordered")
+    strategy = cp.copy_strategy(1, 1, execution="ordered")
     with strategy.scope():
-        model = _mlp()
+        model = cp.mlp()
     seen = []
 
     def step():
@@ -306,10 +188,10 @@ def test_bytes_per_pack_is_checked_and_reaches_the_mirrors():
     for bad in (-1, 1.5, True, "25MB"):
         with pytest.raises(ValueError, match="bytes_per_pack must be an integer >= 0"):
             cs.StrategyOptions(bytes_per_pack=bad)
-    strategy = _strategy(1, 123)
+    strategy = cp.copy_strategy(1, 123)
     assert strategy.extended.store.bytes_per_pack == 123
     with strategy.scope():
-        _mlp()
+        cp.mlp()
     assert strategy.extended.store.mirror(0).bytes_per_pack == 123
 
 
@@ -323,15 +205,15 @@ def test_the_config_default_is_the_library_default():
 
 def test_one_bucket_keeps_no_hooks():
     """Under the bucket size nothing overlaps: no Python hook taxes the backward."""
-    strategy = _strategy(1, DEFAULT_BYTES_PER_PACK)
+    strategy = cp.copy_strategy(1, DEFAULT_BYTES_PER_PACK)
     with strategy.scope():
-        model = _mlp()
+        model = cp.mlp()
     strategy.run(lambda: model(torch.randn(2, 8)).sum().backward())
     mirror = strategy.extended.store.mirror(0)
     assert [b.hooked for b in mirror.buckets] == [False]
-    split = _strategy(1, 1)
+    split = cp.copy_strategy(1, 1)
     with split.scope():
-        model = _mlp()
+        model = cp.mlp()
     split.run(lambda: model(torch.randn(2, 8)).sum().backward())
     assert [b.hooked for b in split.extended.store.mirror(0).buckets] == [True] * 6
 
