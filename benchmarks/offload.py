@@ -94,6 +94,8 @@ MODELS = {
     # the CPU section's: 10.5M parameters, 2 buckets at the default size
     "mlp2048": (lambda: mlp((1024, 2048, 2048, 2048), 10), _classes((1024,), 10, 64),
                 F.cross_entropy),
+    # a smoke run's: 0.4M parameters
+    "mlp512": (lambda: mlp((256, 512, 512), 10), _classes((256,), 10, 32), F.cross_entropy),
     # issue 36's: 38M parameters, batch 1024
     "mlp4096": (lambda: mlp((1024, 4096, 4096, 4096), 10), _classes((1024,), 10, 1024),
                 F.cross_entropy),
@@ -206,13 +208,15 @@ def summary(times: list, base: list | None = None) -> dict:
 
 
 # -- sections --------------------------------------------------------------------------------
-def cpu_section(rounds: int, steps: int, replicas=(1, 2), model: str = "mlp2048") -> dict:
+def cpu_section(rounds: int, steps: int, replicas=(1, 2), model: str = "mlp2048",
+                bytes_per_pack: int = DEFAULT_BYTES_PER_PACK) -> dict:
     """Buckets against one copy per dtype on logical CPU replicas with copy_parameters:
     the ratio is buckets / one copy (below 1: buckets faster)."""
-    out: dict = {"model": model, "bytes_per_pack": DEFAULT_BYTES_PER_PACK, "replicas": {}}
+    out: dict = {"model": model, "bytes_per_pack": bytes_per_pack, "replicas": {}}
     for r in replicas:
         devices = [f"CPU:{i}" for i in range(r)]
-        buckets = csrun_step(model, devices, "CPU:0", copy_parameters=True)
+        buckets = csrun_step(model, devices, "CPU:0", copy_parameters=True,
+                             bytes_per_pack=bytes_per_pack)
         variants = {"one_copy": csrun_step(model, devices, "CPU:0", copy_parameters=True,
                                            bytes_per_pack=0),
                     "buckets": buckets}
@@ -256,7 +260,7 @@ def report(result: dict) -> str:
     cpu = result.get("cpu")
     if cpu:
         lines.append(f"\ncpu: {cpu['model']}, logical CPU replicas, copy_parameters, fused "
-                     f"Adam; buckets of {cpu['bytes_per_pack'] >> 20} MiB vs one copy")
+                     f"Adam; buckets of {cpu['bytes_per_pack']:,} bytes vs one copy")
         lines.append(f"{'replicas':>9} {'buckets':>8} {'one copy ms':>12} {'buckets ms':>11} "
                      f"{'ratio (95% CI)':>22} {'best/best':>10}")
         for r, row in cpu["replicas"].items():
@@ -286,6 +290,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
     parser.add_argument("--sections", nargs="+", default=["cpu", "gpu"], choices=["cpu", "gpu"])
     parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--cpu-model", default="mlp2048", choices=list(MODELS))
+    parser.add_argument("--bytes-per-pack", type=int, default=DEFAULT_BYTES_PER_PACK,
+                        help="the cpu section's bucket size")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
     args = parser.parse_args(argv)
@@ -295,7 +302,8 @@ def main(argv=None) -> int:
                     "cpu_threads": torch.get_num_threads(), "rounds": args.rounds,
                     "steps": args.steps}
     if "cpu" in args.sections:
-        result["cpu"] = cpu_section(args.rounds, args.steps, args.replicas)
+        result["cpu"] = cpu_section(args.rounds, args.steps, args.replicas, args.cpu_model,
+                                    args.bytes_per_pack)
     if "gpu" in args.sections:
         if torch.cuda.is_available():
             result["gpu"] = offload_section(args.rounds, args.steps)

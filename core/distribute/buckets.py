@@ -33,13 +33,12 @@ A buffer that is one bucket (a model under the bucket size, or ``bytes_per_pack=
 carries no hooks: a Python hook costs each replica's backward the GIL once per parameter,
 which only pays where there is a transfer to overlap.
 
-**Why the optimizer does not step in buckets.** ``optimizer.step()`` comes after ``run``
-returns; by then every gradient must be in ``.grad``, since any code in between may read
-it (``clip_grad_norm_``, ``GradScaler.unscale_``, logging), and nothing tells which does.
-And parameters are copied at each run's first read, not when the step ends: writes through
-``.data`` (WGAN's clipping), torch's own fused CPU optimizers and extension kernels change
-no version counter, so nothing else would tell a stale device copy from a current one
-(docs/performance.md, "Parameters on the CPU").
+**Parameters go in at a run's first read, not when the step ends.** Writes through
+``.data`` (WGAN's weight clipping), torch's fused CPU optimizers (``Adam(fused=True)``
+leaves the version counter as it was) and extension kernels change parameters without a
+trace, so only a copy made when the next run reads them is sure to be current; the
+forward then waits for each bucket at its first read rather than for all of them. How
+the optimizer steps while the gradients still arrive is :mod:`.offload`'s.
 """
 
 from __future__ import annotations
