@@ -434,18 +434,21 @@ class ParameterStore:
                 return True
         return False
 
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple = (),
-                              kwargs: dict | None = None) -> None:
-        """Called before any ``optimizer.step()``: collect gradients still on replicas.
-        Those on their way from GPUs are stepped bucket by bucket as they arrive, the
-        optimizer's groups split for this step (:mod:`.offload`), or waited for here."""
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called before any ``optimizer.step()``: collect gradients still on replicas."""
         self._join_split()  # a step that raised left its groups split
         self.flush_pending()
+
+    def step_by_bucket(self, optimizer: torch.optim.Optimizer, args: tuple,
+                       kwargs: dict) -> None:
+        """Called next: gradients still on their way from GPUs are stepped bucket by
+        bucket as they arrive, the optimizer's groups split for this step
+        (:mod:`.offload`), or waited for here. ``args``, ``kwargs``: the step's."""
         arrival = self._arrival
         if arrival is None or not any(arrival.owns(p) for group in optimizer.param_groups
                                       for p in group["params"]):
             return
-        reason = offload.why_not_by_bucket(optimizer, args, kwargs or {})
+        reason = offload.why_not_by_bucket(optimizer, args, kwargs)
         pieces = offload.split_groups(optimizer, arrival) if reason is None else None
         if reason is not None:
             offload.warn_not_by_bucket(optimizer, reason)
@@ -1155,7 +1158,8 @@ def _before_optimizer_step(optimizer, args, kwargs):
             "(cross-replica context), where the replicas' gradients have been summed -- or "
             "inside get_replica_context().merge_call(lambda strategy: optimizer.step())")
     for store in list(_live_stores):
-        store.before_optimizer_step(optimizer, args, kwargs)
+        store.before_optimizer_step(optimizer)
+        store.step_by_bucket(optimizer, args, kwargs)
     return None
 
 
