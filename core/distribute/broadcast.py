@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import torch_internals
-from .buckets import DEFAULT_BYTES_PER_PACK, Bucket, plan, transport_for
+from .buckets import DEFAULT_BYTES_PER_PACK, Bucket, pinned_home, plan, transport_for
 
 __all__ = ["DeviceMirror", "finish_grads"]
 
@@ -31,7 +31,8 @@ class _Group:
         dtype = tensors[0].dtype
         self.flat = torch.empty(sum(numels), dtype=dtype, device=device)
         self.transport = transport
-        staging = transport.staging(sum(numels), dtype)
+        # GPU replicas of CPU parameters copy from the central tensors' own pinned memory
+        home = pinned_home(tensors, transport) if transport.staged else None
         self.leaves = []
         offsets = [0]
         for tensor, numel in zip(tensors, numels):
@@ -41,7 +42,7 @@ class _Group:
         ranges = plan(numels, self.flat.element_size(), bytes_per_pack)
         self.buckets = [
             Bucket(tensors[a:b], self.leaves[a:b], self.flat[offsets[a]:offsets[b]],
-                   None if staging is None else staging[offsets[a]:offsets[b]],
+                   None if home is None else home[offsets[a]:offsets[b]],
                    transport, hooked=len(ranges) > 1)
             for a, b in ranges]
         self.version = None  # the flat buffer's version after the last copy into it

@@ -10,9 +10,11 @@ last tensor, whose gradients a backward makes first. Each bucket moves by itself
 coalesced copy each way per step:
 
 * **Parameters in.** A run's first read copies every bucket, in creation order (the order
-  a forward reads them). From a CPU parameter device to a GPU the copy goes through pinned
-  staging on a side stream, and the replica's stream waits for a bucket only when it first
-  reads one of its tensors: the first layer computes while the next ones arrive.
+  a forward reads them). From a CPU parameter device to a GPU the copy runs on a side
+  stream straight from the central tensors, which live in pinned memory, one buffer per
+  dtype (:func:`pinned_home`: no host copy first), and the replica's stream waits for a
+  bucket only when it first reads one of its tensors: the first layer computes while the
+  next ones arrive.
 * **Gradients out.** A hook on each leaf notes the gradients a bucket received in the
   replica's backward; when every tensor of it that the replica read (and that requires a
   gradient) has one, the bucket leaves -- from a GPU on a side stream into pinned memory
@@ -49,7 +51,7 @@ import torch
 
 from . import torch_internals
 
-__all__ = ["DEFAULT_BYTES_PER_PACK", "plan", "Bucket", "transport_for"]
+__all__ = ["DEFAULT_BYTES_PER_PACK", "plan", "Bucket", "transport_for", "pinned_home"]
 
 # DDP's default bucket: at the ~55 GB/s of a PCIe 5 x16 link it crosses in ~0.5 ms, and a
 # step's fixed cost per bucket (a hook's counting, an event, a Python call) is ~20 µs
@@ -85,7 +87,7 @@ class _SameDevice:
     """Replica and parameters on one torch device (logical CPU replicas with
     ``copy_parameters``): a copy is a concatenation."""
 
-    staged = False
+    staged = False  # copies in go from one pinned buffer holding the central tensors
     # numbers the copies out of one mirror in the order they start, which is the order
     # they land in (one side stream per device)
     sequence = None
@@ -95,14 +97,13 @@ class _SameDevice:
             self.sequence = itertools.count()
         return next(self.sequence)
 
-    def staging(self, numel: int, dtype: torch.dtype):
-        return None
-
     def begin_copy_in(self) -> None:
         pass
 
-    def copy_in(self, sources: list, flat: torch.Tensor, staging, previous):
-        torch.cat(sources, out=flat)
+    def copy_in(self, source, flat: torch.Tensor):
+        """Copy ``source`` (flat tensors to concatenate, or one flat tensor) into ``flat``;
+        the event that says it is done, or None."""
+        torch.cat(source, out=flat)
         return None
 
     def wait_in(self, event) -> None:
@@ -119,8 +120,8 @@ class _CrossDevice(_SameDevice):
     def __init__(self, param_device: torch.device):
         self.param_device = param_device
 
-    def copy_in(self, sources: list, flat: torch.Tensor, staging, previous):
-        flat.copy_(torch.cat(sources))
+    def copy_in(self, source, flat: torch.Tensor):
+        flat.copy_(torch.cat(source))
         return None
 
     def send(self, grads: list):
@@ -128,8 +129,8 @@ class _CrossDevice(_SameDevice):
 
 
 class _Offload(_SameDevice):
-    """A GPU replica of CPU parameters: copies through pinned memory on side streams,
-    one for each direction (a GPU has copy engines for both at once)."""
+    """A GPU replica of CPU parameters: copies on side streams, one for each direction
+    (a GPU has copy engines for both at once), from and into pinned memory."""
 
     staged = True
 
@@ -138,19 +139,20 @@ class _Offload(_SameDevice):
         self.in_stream = torch.cuda.Stream(device)
         self.out_stream = torch.cuda.Stream(device)
 
-    def staging(self, numel: int, dtype: torch.dtype):
+    def home(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Pinned memory for central tensors the GPU copies straight from."""
         return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def is_home(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
 
     def begin_copy_in(self) -> None:
         # the flat buffers are written on the side stream: after the replica's last reads
         self.in_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def copy_in(self, sources: list, flat: torch.Tensor, staging, previous):
-        if previous is not None:  # the last copy out of this staging may still read it
-            previous.synchronize()
-        torch.cat(sources, out=staging)
+    def copy_in(self, source, flat: torch.Tensor):
         with torch.cuda.stream(self.in_stream):
-            flat.copy_(staging, non_blocking=True)
+            flat.copy_(source, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record(self.in_stream)
         return arrived
@@ -183,6 +185,37 @@ def transport_for(device: torch.device, param_device: torch.device):
     return _CrossDevice(param_device)
 
 
+def pinned_home(tensors: list, transport) -> torch.Tensor:
+    """One flat buffer holding ``tensors`` (one dtype) one after another, from which a
+    staged transport copies without a host copy first: theirs if they already live so
+    (another GPU's mirror moved them there), else new, with their ``.data`` moved in.
+
+    Moving ``.data`` keeps each tensor (its optimizer state, its hooks, the modules and
+    optimizers holding it) and its values; only its storage is another.
+    """
+    first = tensors[0]
+    total = sum(t.numel() for t in tensors)
+    storage, address = first.untyped_storage(), first.data_ptr()
+    shared = transport.is_home(first)
+    for tensor in tensors:
+        if not shared:
+            break
+        shared = (tensor.untyped_storage().data_ptr() == storage.data_ptr()
+                  and tensor.data_ptr() == address and tensor.is_contiguous())
+        address += tensor.numel() * tensor.element_size()
+    if shared:
+        return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+    home = transport.home(total, first.dtype)
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            slot = home[offset:offset + tensor.numel()]
+            slot.copy_(tensor.detach().reshape(-1))
+            tensor.data = slot.view(tensor.shape)
+            offset += tensor.numel()
+    return home
+
+
 class Bucket:
     """A run of one dtype's tensors and their leaves: one coalesced copy each way.
 
@@ -192,27 +225,31 @@ class Bucket:
     gradients are collected, checked against the leaves' gradients as they are then.
     """
 
-    __slots__ = ("tensors", "leaves", "flat", "staging", "transport", "hooked", "_hooks",
-                 "stamp", "ready", "_copied", "_served", "_arrived", "_expected",
-                 "_count", "_sent")
+    __slots__ = ("tensors", "leaves", "flat", "home", "transport", "hooked", "_hooks",
+                 "_addresses", "stamp", "ready", "_copied", "_served", "_arrived",
+                 "_expected", "_count", "_sent")
 
-    def __init__(self, tensors: list, leaves: list, flat: torch.Tensor, staging,
+    def __init__(self, tensors: list, leaves: list, flat: torch.Tensor, home,
                  transport, hooked: bool):
         self.tensors = tensors
         self.leaves = leaves
         self.flat = flat  # this bucket's slice of the group's flat buffer
-        self.staging = staging  # its slice of the pinned staging (GPU replicas of CPU params)
+        # its slice of the pinned buffer the central tensors live in (GPU replicas of
+        # CPU parameters, :func:`pinned_home`), or None; and where each tensor starts
+        self.home = home
+        self._addresses = None if home is None else [
+            t.data_ptr() for t in _slices(home, [t.numel() for t in tensors])]
         self.transport = transport
         self.hooked = hooked
         self._hooks = [False] * len(leaves)
         self.stamp = None  # the central tensors' (version, data_ptr, requires_grad) at copy
         self.ready = None  # the copy in, until the replica's stream has waited for it
-        self._copied = None  # the copy in, for staging's reuse
+        self._copied = None  # the copy in: done before the home is written again
         self._served = bytearray(len(leaves))
         self._arrived = bytearray(len(leaves))
         self._expected = 0  # leaves read this run that require a gradient
         self._count = 0  # of those, how many received one since the last send
-        self._sent = None  # (flat, event, [(index, grad, version, offset)])
+        self._sent = None  # (flat, event, [(index, grad, version, offset)], number)
         for index in range(len(leaves)):
             self._hook(index)
 
@@ -232,11 +269,28 @@ class Bucket:
             if leaf.requires_grad != tensor.requires_grad:  # frozen or unfrozen since
                 leaf.requires_grad_(tensor.requires_grad)
                 self._hook(index)
-        sources = [t.detach().reshape(-1) for t in self.tensors]
-        self._copied = self.ready = self.transport.copy_in(
-            sources, self.flat, self.staging, self._copied)
+        if self.home is None:
+            source = [t.detach().reshape(-1) for t in self.tensors]
+        else:
+            self._stage(stamp)
+            source = self.home
+        self._copied = self.ready = self.transport.copy_in(source, self.flat)
         self.stamp = stamp
         return True
+
+    def _stage(self, stamp: list) -> None:
+        """The pinned home holds every tensor's values: a tensor given other storage
+        since (``p.data = x``) has its values copied to its place first."""
+        moved = [k for k, (address, (_, ptr, _)) in enumerate(zip(self._addresses, stamp))
+                 if ptr != address or not self.tensors[k].is_contiguous()]
+        if not moved:
+            return
+        if self._copied is not None:  # the last copy from this place may still read it
+            self._copied.synchronize()
+        slots = _slices(self.home, [t.numel() for t in self.tensors])
+        with torch.no_grad():
+            for k in moved:
+                slots[k].copy_(self.tensors[k].detach().reshape(-1))
 
     def wait_in(self) -> None:
         """The current stream waits for the copy in (once)."""
@@ -309,3 +363,12 @@ class Bucket:
             leaf.grad = None
         if pairs:
             transfers.append((sent[3], (pairs, sent[0], sent[1])))
+
+
+def _slices(flat: torch.Tensor, numels: list) -> list:
+    """Consecutive slices of ``flat``, ``numels[i]`` elements each."""
+    out, offset = [], 0
+    for numel in numels:
+        out.append(flat[offset:offset + numel])
+        offset += numel
+    return out

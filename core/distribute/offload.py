@@ -38,14 +38,15 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
 from . import torch_internals
 
-__all__ = ["Arrival", "ArrivingGrad", "PER_PARAMETER", "why_not_by_bucket", "split_groups",
-           "join_groups"]
+__all__ = ["Arrival", "ArrivingGrad", "PER_PARAMETER", "why_not_by_bucket", "step_by_bucket",
+           "rejoin", "warn_not_by_bucket"]
 
 # torch's optimizers whose update of a parameter reads only its gradient, its state and
 # its group's hyperparameters: stepping their groups piece by piece is one step
@@ -72,7 +73,6 @@ class Arrival:
                     entry = self._parts.setdefault(id(central), [central, [], position])
                     entry[1].append((flat, event, offset))
         self._waiting: dict = {}  # id(central) -> its ArrivingGrad, until it lands
-        self._landed: dict = {}  # id(central) -> its gradient, once landed
         self._lock = threading.Lock()  # an op on any thread may land a gradient
 
     def place(self) -> None:
@@ -81,10 +81,6 @@ class Arrival:
             waiting = ArrivingGrad(self, key, central)
             self._waiting[key] = waiting
             central.grad = waiting
-
-    @property
-    def done(self) -> bool:
-        return not self._waiting
 
     def owns(self, central: torch.Tensor) -> bool:
         """Whether ``central.grad`` is a gradient of this arrival still on its way."""
@@ -96,15 +92,16 @@ class Arrival:
         tensor whose ``.grad`` is not on its way."""
         return self._parts[id(central)][2] if self.owns(central) else -1
 
-    def land(self, key: int) -> torch.Tensor:
-        """The gradient of the tensor ``id`` ``key``, once arrived: the replicas' copies
-        added in replica order (as :func:`.parameters.accumulate` adds them). ``.grad``
-        gets it unless the user put something else there meanwhile."""
+    def land(self, key: int) -> None:
+        """Wait for the gradient of the tensor ``id`` ``key`` and add the replicas' copies
+        in replica order (as :func:`.parameters.accumulate` adds them) into its
+        :class:`ArrivingGrad`; ``.grad`` gets it unless the user put something else
+        there meanwhile. Once: a landed one is the ArrivingGrad's alone to keep."""
         with self._lock:
-            if key in self._landed:  # by another op, maybe on another thread
-                return self._landed[key]
+            waiting = self._waiting.pop(key, None)
+            if waiting is None:  # landed by another op, maybe on another thread
+                return
             central, parts, _ = self._parts[key]
-            waiting = self._waiting.pop(key)
             grad = None
             with torch.no_grad():
                 for flat, event, offset in parts:
@@ -115,11 +112,10 @@ class Arrival:
                         grad = view
                     else:
                         torch_internals.foreach_add_([grad], [view])
-            self._landed[key] = grad
             self._parts[key][1] = None  # the replicas' buffers: held by ``grad`` if needed
+            waiting.grad_landed = grad
             if central.grad is waiting:
                 central.grad = grad
-            return grad
 
     def land_all(self) -> None:
         for key in list(self._waiting):
@@ -152,10 +148,13 @@ class ArrivingGrad(torch.Tensor):
     def __init__(self, arrival: Arrival, key: int, central: torch.Tensor):
         self._arrival = arrival
         self._key = key
+        self.grad_landed = None  # set by Arrival.land
 
     def landed(self) -> torch.Tensor:
         """The gradient, once it has arrived (waits for it)."""
-        return self._arrival.land(self._key)
+        if self.grad_landed is None:
+            self._arrival.land(self._key)
+        return self.grad_landed
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -179,7 +178,7 @@ def why_not_by_bucket(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
         return "step was given a closure or arguments"
     if optimizer.defaults.get("differentiable"):
         return "it is differentiable"
-    if torch_internals.optimizer_step_hooks(optimizer) > 2:  # csrun's pre and post hook
+    if torch_internals.optimizer_step_hooks(optimizer) > 1:  # csrun's pre hook
         return "it has step hooks, which see its parameter groups"
     return None
 
@@ -198,8 +197,35 @@ def split_groups(optimizer: torch.optim.Optimizer, arrival: Arrival) -> list | N
             for (_, number), params in sorted(pieces.items(), key=lambda item: item[0])]
 
 
-def join_groups(optimizer: torch.optim.Optimizer, groups: list, pieces: list,
-                states: int) -> None:
+# optimizer -> (its groups, the pieces it steps, its state's size, the hook that joins)
+_split: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def step_by_bucket(optimizer: torch.optim.Optimizer, arrival: Arrival) -> bool:
+    """Give ``optimizer`` its groups split by bucket for the step under way (False: one
+    piece would do). A step post-hook of its own puts them back: it outlives the
+    strategy, which a garbage collection during the step may end."""
+    pieces = split_groups(optimizer, arrival)
+    if pieces is None:
+        return False
+    handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: rejoin(opt))
+    _split[optimizer] = (optimizer.param_groups, pieces, len(optimizer.state), handle)
+    optimizer.param_groups = pieces
+    return True
+
+
+def rejoin(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer``'s own groups back, if split (after its step, or before its next one
+    when the last raised)."""
+    entry = _split.pop(optimizer, None)
+    if entry is not None:
+        groups, pieces, states, handle = entry
+        handle.remove()
+        _join_groups(optimizer, groups, pieces, states)
+
+
+def _join_groups(optimizer: torch.optim.Optimizer, groups: list, pieces: list,
+                 states: int) -> None:
     """Put ``groups`` back as ``optimizer.param_groups``, keeping any setting the step
     changed in a piece (none of torch's do; a value set differently in two pieces of a
     group keeps the last). ``states``: how many parameters had state before the step;

@@ -268,10 +268,8 @@ class ParameterStore:
         self._mirrors: list = [None] * len(self.compute_devices)
         # the most bytes a copy replica moves in one copy (StrategyOptions.bytes_per_pack)
         self.bytes_per_pack = DEFAULT_BYTES_PER_PACK
-        # a run's gradients still on their way from GPUs, and an optimizer whose groups
-        # are split by bucket for its step (offload.py)
+        # a run's gradients still on their way from GPUs (offload.py)
         self._arrival: offload.Arrival | None = None
-        self._split: tuple | None = None
         self._run_ended = False  # finish_run's flush, which may leave gradients arriving
         self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
         # In a run, finish_run collects the leaves' gradients; outside one, a hook on
@@ -436,7 +434,6 @@ class ParameterStore:
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before any ``optimizer.step()``: collect gradients still on replicas."""
-        self._join_split()  # a step that raised left its groups split
         self.flush_pending()
 
     def step_by_bucket(self, optimizer: torch.optim.Optimizer, args: tuple,
@@ -449,26 +446,10 @@ class ParameterStore:
                                       for p in group["params"]):
             return
         reason = offload.why_not_by_bucket(optimizer, args, kwargs)
-        pieces = offload.split_groups(optimizer, arrival) if reason is None else None
         if reason is not None:
             offload.warn_not_by_bucket(optimizer, reason)
-        if pieces is None:
+        if reason is not None or not offload.step_by_bucket(optimizer, arrival):
             self._land_arrival()
-            return
-        self._split = (optimizer, optimizer.param_groups, pieces, len(optimizer.state))
-        optimizer.param_groups = pieces
-
-    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()`` ended: its groups are whole again."""
-        if self._split is not None and self._split[0] is optimizer:
-            self._join_split()
-        if self._arrival is not None and self._arrival.done:
-            self._arrival = None
-
-    def _join_split(self) -> None:
-        split, self._split = self._split, None
-        if split is not None:
-            offload.join_groups(*split)
 
     def _land_arrival(self) -> None:
         """Wait for the gradients still on their way (before any others are added)."""
@@ -1113,8 +1094,7 @@ class _GlobalHooks:
                 self._handles = [
                     nn_module.register_module_parameter_registration_hook(_on_parameter),
                     nn_module.register_module_buffer_registration_hook(_on_buffer),
-                    optim_module.register_optimizer_step_pre_hook(_before_optimizer_step),
-                    optim_module.register_optimizer_step_post_hook(_after_optimizer_step)]
+                    optim_module.register_optimizer_step_pre_hook(_before_optimizer_step)]
                 self._hook_methods = torch_internals.route_hook_registration(_note_hooks)
                 self._module_call = torch_internals.route_module_calls(_module_call)
             self._users += 1
@@ -1157,12 +1137,8 @@ def _before_optimizer_step(optimizer, args, kwargs):
             "optimizer.step() was called inside strategy.run; call it after run returns "
             "(cross-replica context), where the replicas' gradients have been summed -- or "
             "inside get_replica_context().merge_call(lambda strategy: optimizer.step())")
+    offload.rejoin(optimizer)  # a step that raised left its groups split
     for store in list(_live_stores):
         store.before_optimizer_step(optimizer)
         store.step_by_bucket(optimizer, args, kwargs)
     return None
-
-
-def _after_optimizer_step(optimizer, args, kwargs):
-    for store in list(_live_stores):
-        store.after_optimizer_step(optimizer)

@@ -11,6 +11,7 @@ and before the next one is waited for.
 
 from __future__ import annotations
 
+import gc
 import io
 import warnings
 
@@ -39,10 +40,23 @@ class _Later:
 
 
 class _LateTransport(buckets._SameDevice):
-    """Logical CPU replicas whose gradients travel as a GPU's: asynchronously."""
+    """Logical CPU replicas whose copies go as a GPU's: gradients asynchronously,
+    parameters from the central tensors' own (here unpinned) home buffer."""
+
+    staged = True
 
     def __init__(self, log: list):
         self.log = log
+
+    def home(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def is_home(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def copy_in(self, source, flat: torch.Tensor):
+        flat.copy_(source)
+        return None
 
     def send(self, grads: list):
         flat = torch.full((sum(g.numel() for g in grads),), float("nan"), dtype=grads[0].dtype)
@@ -300,3 +314,53 @@ def test_a_gpu_step_moves_each_bucket_once_each_way(monkeypatch):
     count = len(strategy.extended.store.mirror(0).buckets)
     assert count > 1 and len(moved["in"]) == len(moved["out"]) == count
     assert sum(moved["in"]) == sum(moved["out"]) == nbytes
+
+
+def test_central_tensors_move_to_one_home_and_a_new_data_is_seen(late):
+    """The GPU copies from the central tensors' own buffer: the first run moves them
+    there (values, optimizer and modules kept); one given other storage later is
+    copied there before the next copy in."""
+    strategy = cp.copy_strategy(2, 1)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = cp.mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    x, y = cp.batches(1)[0]
+    strategy.run(lambda: cp.batch_loss(model, x, y).backward())
+    assert list(model.parameters()) == params  # the same tensors
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    homes = {p.untyped_storage().data_ptr() for p in params}
+    assert len(homes) == 1  # one buffer, shared by both replicas' mirrors
+    address = params[0].data_ptr()
+    for p in params:
+        assert p.data_ptr() == address
+        address += p.numel() * p.element_size()
+    model[2].weight.data = torch.full_like(model[2].weight, 0.5)
+    seen = []
+    strategy.run(lambda: seen.append(model[2].weight.detach().clone()))
+    assert len(seen) == 2 and all(torch.equal(s, model[2].weight) for s in seen)
+
+
+def test_groups_come_back_when_the_strategy_is_collected_during_the_step(late):
+    keep = cp.copy_strategy(1, 0)  # another strategy: csrun's step hook stays
+    strategy = cp.copy_strategy(1, 1, execution="ordered")
+    with strategy.scope():
+        model = cp.mlp()
+        opt = torch.optim.Adam(model.parameters(), fused=True)
+    x, y = cp.batches(1)[0]
+    strategy.run(lambda: cp.batch_loss(model, x, y).backward())
+    holder = [strategy]
+    del strategy
+
+    class _Collect(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if holder:  # the strategy goes in the middle of the step
+                holder.clear()
+                gc.collect()
+            return func(*args, **(kwargs or {}))
+    with _Collect():
+        opt.step()
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == \
+        list(model.parameters())
+    assert late == ["land"] * 6 and keep is not None
