@@ -312,6 +312,9 @@ def test_a_gpu_step_moves_each_bucket_once_each_way(monkeypatch):
         opt.zero_grad()
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     count = len(strategy.extended.store.mirror(0).buckets)
+    # copied straight from the parameters: they live in one pinned buffer
+    assert all(p.is_pinned() for p in model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
     assert count > 1 and len(moved["in"]) == len(moved["out"]) == count
     assert sum(moved["in"]) == sum(moved["out"]) == nbytes
 
