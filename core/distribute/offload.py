@@ -13,9 +13,11 @@ backward, and the GPU idle through the whole optimizer step. Instead:
   gradient's shape, dtype and device whose every use through torch (any op: ``print``,
   ``clip_grad_norm_``, ``GradScaler.unscale_``, the optimizer's kernels) first waits for
   its bucket and adds the replicas' copies in replica order, as the synchronous path
-  does, so every result is the same. Uses torch cannot see (``.numpy()``,
-  ``data_ptr()``, pickling a storage) fail loudly rather than read early; the next
-  ``run``, ``optimizer.step()`` or backward lands whatever is left first.
+  does, so every result is the same; ``.numpy()``, ``.tolist()``, ``data_ptr()``,
+  pickling and ``repr`` answer for the landed gradient too. A use that reaches around
+  both (a C extension reading it) fails loudly: the tensor has no storage to read
+  early. The next ``run``, ``optimizer.step()`` or backward lands whatever is left
+  first.
 * **``optimizer.step()`` steps bucket by bucket.** For torch's optimizers that update
   each parameter from its own gradient and state (:data:`PER_PARAMETER`), the
   ``optimizer.step()`` that follows ``run`` sees its parameter groups split by bucket,
@@ -160,11 +162,28 @@ class ArrivingGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return func(*_unwrapped(args), **_unwrapped(kwargs or {}))
 
+    # what torch answers outside its dispatcher, for the landed gradient: a subclass with
+    # no storage of its own would refuse
     def __repr__(self) -> str:
         return repr(self.landed())
 
     def __reduce_ex__(self, protocol):
         return self.landed().__reduce_ex__(protocol)
+
+    def __array__(self, *args, **kwargs):
+        return self.landed().__array__(*args, **kwargs)
+
+    def tolist(self):
+        return self.landed().tolist()
+
+    def numpy(self, *args, **kwargs):
+        return self.landed().numpy(*args, **kwargs)
+
+    def data_ptr(self) -> int:
+        return self.landed().data_ptr()
+
+    def untyped_storage(self):
+        return self.landed().untyped_storage()
 
 
 def why_not_by_bucket(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> str | None:

@@ -136,8 +136,9 @@ def test_the_pieces_follow_the_order_the_buckets_left_in(late):
 
 
 def test_arriving_gradients_read_before_the_step_are_whole(late):
-    model, opt = _trained_once()
     want, _ = _synchronous_grads()
+    model, opt = _trained_once()
+    late.clear()
     weight = model[0].weight
     assert weight.grad.shape == weight.shape and weight.grad.dtype == weight.dtype
     assert late == []  # shape and dtype need nothing to land
@@ -153,19 +154,27 @@ def test_arriving_gradients_read_before_the_step_are_whole(late):
 
 
 def _synchronous_grads():
+    """The gradients of :func:`_trained_once`'s run, landed (its model too)."""
     strategy = cp.copy_strategy(1, 0)
     with strategy.scope():
         torch.manual_seed(0)
         model = cp.mlp()
     x, y = cp.batches(1)[0]
     strategy.run(lambda: cp.batch_loss(model, x, y).backward())
-    return [p.grad for p in model.parameters()], model
+    return [p.grad.clone() for p in model.parameters()], model
 
 
-def test_what_torch_cannot_see_fails_loudly_and_zero_grad_drops_them(late):
+def test_reads_outside_torch_ops_see_them_landed_and_zero_grad_drops_them(late):
+    want, _ = _synchronous_grads()
     model, opt = _trained_once()
-    with pytest.raises(Exception):
-        model[0].weight.grad.numpy()
+    late.clear()
+    assert (model[0].weight.grad.numpy() == want[0].numpy()).all()
+    assert model[0].bias.grad.tolist() == want[1].tolist()
+    assert model[2].weight.grad.data_ptr() == model[2].weight.grad.data_ptr() != 0
+    model[2].bias.grad.data.clamp_(-1e-4, 1e-4)  # the old habit, on the landed gradient
+    assert torch.equal(model[2].bias.grad, want[3].clamp(-1e-4, 1e-4))
+    assert late == ["land"] * 4
+    late.clear()
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     opt.step()  # nothing to step, nothing lands into .grad again
@@ -213,6 +222,7 @@ def test_other_optimizers_wait_for_every_gradient_with_a_warning(late):
         own = _OwnSGD(model.parameters(), 0.1)
     x, y = cp.batches(1)[0]
     grads, reference = _synchronous_grads()
+    late.clear()
     strategy.run(lambda: cp.batch_loss(model, x, y).backward())
     with pytest.warns(UserWarning, match="_OwnSGD.step is not one of torch's"):
         own.step()
