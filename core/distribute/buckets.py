@@ -46,6 +46,7 @@ the optimizer steps while the gradients still arrive is :mod:`.offload`'s.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
@@ -185,6 +186,9 @@ def transport_for(device: torch.device, param_device: torch.device):
     return _CrossDevice(param_device)
 
 
+_homing = threading.Lock()  # GPUs' replicas build their mirrors at once: one moves them
+
+
 def pinned_home(tensors: list, transport) -> torch.Tensor:
     """One flat buffer holding ``tensors`` (one dtype) one after another, from which a
     staged transport copies without a host copy first: theirs if they already live so
@@ -193,6 +197,11 @@ def pinned_home(tensors: list, transport) -> torch.Tensor:
     Moving ``.data`` keeps each tensor (its optimizer state, its hooks, the modules and
     optimizers holding it) and its values; only its storage is another.
     """
+    with _homing:
+        return _pinned_home(tensors, transport)
+
+
+def _pinned_home(tensors: list, transport) -> torch.Tensor:
     first = tensors[0]
     total = sum(t.numel() for t in tensors)
     storage, address = first.untyped_storage(), first.data_ptr()
