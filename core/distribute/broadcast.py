@@ -175,6 +175,13 @@ class DeviceMirror:
         bucket.serve(index)
         return leaf
 
+    def copied_in(self) -> None:
+        """Wait (the host) until every copy in has read the central tensors: then they
+        may change (a run returning before its gradients arrive, offload.py)."""
+        for group in self._groups:
+            for bucket in group.buckets:
+                bucket.copied_in()
+
     @property
     def buckets(self) -> list:
         """Every bucket, by dtype, in creation order."""

@@ -301,6 +301,11 @@ class Bucket:
             for k in moved:
                 slots[k].copy_(self.tensors[k].detach().reshape(-1))
 
+    def copied_in(self) -> None:
+        """Wait (the host) until the last copy in has read the central tensors."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def wait_in(self) -> None:
         """The current stream waits for the copy in (once)."""
         if self.ready is not None:

@@ -602,6 +602,9 @@ class ParameterStore:
                 return
             self._land_arrival()  # the earlier gradients first: added in order
             if self._run_ended and self._may_arrive_later(started):
+                for mirror in self._mirrors:  # code after run may write the parameters
+                    if mirror is not None:
+                        mirror.copied_in()
                 self._arrival = offload.Arrival(started)
                 self._arrival.place()
                 return
