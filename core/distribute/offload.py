@@ -17,7 +17,8 @@ backward, and the GPU idle through the whole optimizer step. Instead:
   pickling and ``repr`` answer for the landed gradient too. A use that reaches around
   both (a C extension reading it) fails loudly: the tensor has no storage to read
   early. The next ``run``, ``optimizer.step()`` or backward lands whatever is left
-  first.
+  first. ``run`` still waits until the parameters have been copied to the GPUs (early
+  in the forward): code before the step may change them.
 * **``optimizer.step()`` steps bucket by bucket.** For torch's optimizers that update
   each parameter from its own gradient and state (:data:`PER_PARAMETER`), the
   ``optimizer.step()`` that follows ``run`` sees its parameter groups split by bucket,
