@@ -39,7 +39,7 @@ import csrun.core as cs
 from csrun.core.distribute.buckets import DEFAULT_BYTES_PER_PACK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
-from targets import median_interval  # noqa: E402
+from targets import median_interval, verdict  # noqa: E402
 
 GPU_TARGET = 1.2  # csrun's step / max(plain GPU step, PCIe transfer, fused CPU Adam)
 
@@ -246,8 +246,7 @@ def offload_section(rounds: int, steps: int, models=("mlp4096", "transformer")) 
         result["bound"] = summary(bound)
         for k in ("csrun", "csrun_one_copy"):
             result[k] = summary(times[k], bound)
-        ratio = result["csrun"]["ratio"]
-        result["verdict"] = "met" if ratio <= GPU_TARGET else "missed"
+        result["verdict"] = verdict(result["csrun"]["ratio_ci95"], GPU_TARGET, at_least=False)
         params = sum(p.numel() for p in MODELS[name][0]().parameters())
         result["parameters"] = params
         out["models"][name] = result
