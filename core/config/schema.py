@@ -96,6 +96,12 @@ _EXECUTION = ("How replicas run: `ordered` one after another in replica order, `
               "in threads, `auto` concurrent only across physical devices.")
 _COPY = ("Give every replica its own parameter copy even on the parameter device (the path "
          "GPU replicas take; lets CPU-only CI exercise it).")
+_BYTES_PER_PACK = (
+    "The most bytes a replica computing on a copy of the parameters (a GPU, or "
+    "`copy_parameters`) moves in one copy: parameters and gradients cross in buckets of "
+    "this size, the gradients while the backward still runs, the parameters ahead of the "
+    "forward's first read of them (TF's `bytes_per_pack`, DDP's `bucket_cap_mb`). 0: one "
+    "copy per dtype each way. Default 25 MiB; see docs/performance.md.")
 
 
 class CentralStorageConfig(_Section):
@@ -122,6 +128,7 @@ class CentralStorageConfig(_Section):
         "follow timing, so results may differ in the last bits from run to run: use "
         "`even` where a run must repeat bit for bit. It splits global batches "
         "(`dataset.distribute: global`); see docs/performance.md.")
+    bytes_per_pack: Int64 = Field(25 * 2**20, ge=0, description=_BYTES_PER_PACK)
 
 
 def _address(value: str) -> str:
@@ -239,6 +246,7 @@ class ParameterServerConfig(_Section):
     execution: Literal["auto", "ordered", "concurrent"] = Field(
         "auto", description=_EXECUTION + " (Within one worker.)")
     copy_parameters: bool = Field(False, description=_COPY)
+    bytes_per_pack: Int64 = Field(25 * 2**20, ge=0, description=_BYTES_PER_PACK)
 
     @property
     def parameter_device(self) -> None:

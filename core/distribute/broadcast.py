@@ -2,12 +2,12 @@
 
 GPU replicas (and, on request, logical CPU replicas) cannot alias the central storage, so
 each keeps a mirror: one flat buffer per dtype holding every tracked parameter, refreshed
-with a single coalesced copy at each run's first read (a write through ``.data`` changes no
-version to tell it by); in a run's middle only what changed version. The replica's leaves
-are views into that buffer; their gradients go back with one copy per dtype.
+at each run's first read (a write through ``.data`` changes no version to tell it by); in
+a run's middle only what changed version. The replica's leaves are views into that
+buffer. Each buffer moves in buckets (:mod:`.buckets`): one coalesced copy per bucket each
+way, the gradients leaving while the backward still runs.
 
-From a CPU parameter device to a GPU the refresh goes through a pinned staging buffer and a
-non-blocking copy on the replica's current stream.
+From a CPU parameter device to a GPU the copies go through pinned memory on side streams.
 """
 
 from __future__ import annotations
@@ -15,56 +15,45 @@ from __future__ import annotations
 import torch
 
 from . import torch_internals
+from .buckets import DEFAULT_BYTES_PER_PACK, Bucket, pinned_home, plan, transport_for
 
-__all__ = ["DeviceMirror"]
+__all__ = ["DeviceMirror", "finish_grads"]
 
-_tensor_version = torch_internals.tensor_version  # bound: read for every tensor on every refresh
+_tensor_version = torch_internals.tensor_version  # bound: read on every refresh
 
 
 class _Group:
-    """The tensors of one dtype and their flat mirror."""
+    """The tensors of one dtype, their flat mirror, cut into buckets."""
 
-    def __init__(self, tensors: list, device: torch.device, param_device: torch.device):
+    def __init__(self, tensors: list, device: torch.device, transport, bytes_per_pack: int):
         self.tensors = tensors
-        self.numels = [t.numel() for t in tensors]
-        total = sum(self.numels)
+        numels = [t.numel() for t in tensors]
         dtype = tensors[0].dtype
-        self.flat = torch.empty(total, dtype=dtype, device=device)
-        self.staging = None
-        self.copied = None  # an event: the last copy out of ``staging`` has finished
-        if device.type == "cuda" and param_device.type == "cpu":
-            self.staging = torch.empty(total, dtype=dtype, pin_memory=True)
+        self.flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        self.transport = transport
+        # GPU replicas of CPU parameters copy from the central tensors' own pinned memory
+        home = pinned_home(tensors, transport) if transport.staged else None
         self.leaves = []
-        self.version = None  # the flat buffer's version after the last copy into it
-        offset = 0
-        for tensor, numel in zip(tensors, self.numels):
-            view = self.flat[offset:offset + numel].view(tensor.shape)
+        offsets = [0]
+        for tensor, numel in zip(tensors, numels):
+            view = self.flat[offsets[-1]:offsets[-1] + numel].view(tensor.shape)
             self.leaves.append(view.detach().requires_grad_(tensor.requires_grad))
-            offset += numel
-        self.stamp = None
+            offsets.append(offsets[-1] + numel)
+        ranges = plan(numels, self.flat.element_size(), bytes_per_pack)
+        self.buckets = [
+            Bucket(tensors[a:b], self.leaves[a:b], self.flat[offsets[a]:offsets[b]],
+                   None if home is None else home[offsets[a]:offsets[b]],
+                   transport, hooked=len(ranges) > 1)
+            for a, b in ranges]
+        self.version = None  # the flat buffer's version after the last copy into it
 
     def refresh(self, force: bool) -> None:
-        stamp = [(_tensor_version(t), t.data_ptr(), t.requires_grad) for t in self.tensors]
-        if stamp == self.stamp and not force:
-            return
-        for tensor, leaf in zip(self.tensors, self.leaves):  # frozen or unfrozen since
-            if leaf.requires_grad != tensor.requires_grad:
-                leaf.requires_grad_(tensor.requires_grad)
+        copied = False
         with torch.no_grad():
-            flat = [t.detach().reshape(-1) for t in self.tensors]
-            if self.staging is not None:
-                if self.copied is not None:  # the last non-blocking copy may still read it
-                    self.copied.synchronize()
-                torch.cat(flat, out=self.staging)
-                self.flat.copy_(self.staging, non_blocking=True)
-                self.copied = torch.cuda.Event()
-                self.copied.record()
-            elif self.flat.device == self.tensors[0].device:
-                torch.cat(flat, out=self.flat)
-            else:
-                self.flat.copy_(torch.cat(flat))
-        self.stamp = stamp
-        self.version = _tensor_version(self.flat)
+            for bucket in self.buckets:
+                copied = bucket.copy_in(force) or copied
+        if copied:
+            self.version = _tensor_version(self.flat)
 
     def written(self) -> list:
         """The central tensors whose copies a replica wrote in place since the last copy
@@ -74,15 +63,36 @@ class _Group:
         return [t for t, leaf in zip(self.tensors, self.leaves)
                 if not torch.equal(leaf.detach().to(t.device), t.detach())]
 
+    def start_grads(self, transfers: list) -> None:
+        """Each bucket's gradients into ``transfers``, numbered in the order they left
+        (:meth:`Bucket.take`); those that did not leave during the backward go now, in
+        one copy."""
+        rest: list = []
+        for bucket in self.buckets:
+            bucket.take(transfers, rest)
+        if rest:
+            with torch.no_grad():
+                flat, event = self.transport.send([g for _, g in rest])
+            pairs, offset = [], 0
+            for central, grad in rest:
+                pairs.append((central, offset))
+                offset += grad.numel()
+            transfers.append((self.transport.next_number(), (pairs, flat, event)))
+
 
 class DeviceMirror:
-    """Flat copies of a store's tracked tensors on one replica device."""
+    """Flat copies of a store's tracked tensors on one replica device.
 
-    def __init__(self, device: torch.device, param_device: torch.device):
+    ``bytes_per_pack``: the most bytes a bucket holds (:func:`.buckets.plan`)."""
+
+    def __init__(self, device: torch.device, param_device: torch.device,
+                 bytes_per_pack: int = DEFAULT_BYTES_PER_PACK):
         self.device = device
         self.param_device = param_device
+        self.bytes_per_pack = bytes_per_pack
+        self._transport = transport_for(device, param_device)
         self._groups: list[_Group] = []
-        self._leaf_of: dict = {}
+        self._leaf_of: dict = {}  # central tensor -> (leaf, its bucket, index in it)
         self._generation = -1
 
     def refresh(self, store, reset_grads: bool = True, force: bool = False) -> None:
@@ -90,10 +100,12 @@ class DeviceMirror:
 
         ``reset_grads`` starts a new run; a refresh in the middle of a run (after a merge
         updated parameters) keeps the gradients the leaves already hold. Without
-        ``force`` only the groups whose tensors changed version are copied: a write
+        ``force`` only the buckets whose tensors changed version are copied: a write
         through ``.data`` (``p.data.copy_(ema)``) changes none, so a run's first refresh,
         and the one after user code ran in ``merge_call``, copy everything (as
-        ``DataParallel`` copies on every forward).
+        ``DataParallel`` copies on every forward). A run's first refresh leaves each
+        bucket's copy to be waited for at its first read (:meth:`leaf`); a later one
+        waits for them at once, as leaves already served read the buffers.
         """
         # read before the tensors: one registered meanwhile by a replica adopting a
         # module (a run's middle) is then missed once, and found by the next refresh
@@ -104,8 +116,14 @@ class DeviceMirror:
             else:  # tensors registered during a run: the leaves served so far stay valid
                 self._extend(store.tensors())
             self._generation = generation
+        self._transport.begin_copy_in()
         for group in self._groups:
             group.refresh(force)
+            for bucket in group.buckets:
+                if reset_grads:
+                    bucket.new_run()
+                else:
+                    bucket.wait_in()
             if reset_grads:
                 for leaf in group.leaves:
                     leaf.grad = None
@@ -135,10 +153,12 @@ class DeviceMirror:
         for tensor in tensors:
             if tensor not in self._leaf_of:
                 by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        groups = [_Group(ts, self.device, self.param_device) for ts in by_dtype.values()]
+        groups = [_Group(ts, self.device, self._transport, self.bytes_per_pack)
+                  for ts in by_dtype.values()]
         for group in groups:
-            for tensor, leaf in zip(group.tensors, group.leaves):
-                self._leaf_of[tensor] = leaf
+            for bucket in group.buckets:
+                for index, (tensor, leaf) in enumerate(zip(bucket.tensors, bucket.leaves)):
+                    self._leaf_of[tensor] = (leaf, bucket, index)
         self._groups += groups
 
     def written(self) -> list:
@@ -146,50 +166,51 @@ class DeviceMirror:
         return [t for group in self._groups for t in group.written()]
 
     def leaf(self, central: torch.Tensor) -> torch.Tensor:
-        leaf = self._leaf_of.get(central)
-        if leaf is None:
+        """The replica's leaf for ``central``, read from now on: its bucket's copy is
+        waited for (once), and its gradient awaited before the bucket leaves."""
+        entry = self._leaf_of.get(central)
+        if entry is None:
             raise KeyError("csrun: a served tensor is not tracked by its strategy")
+        leaf, bucket, index = entry
+        bucket.serve(index)
         return leaf
 
-    def start_grads(self) -> list:
-        """Start moving this replica's new gradients to the parameter device.
-
-        One coalesced copy per dtype; from a GPU to a CPU parameter device it is a
-        non-blocking copy into fresh pinned memory (the caching host allocator makes that
-        cheap), so the copies of several GPUs overlap. :func:`finish_grads` waits for them.
-        Only leaves that received a gradient take part.
-        """
-        transfers = []
+    def copied_in(self) -> None:
+        """Wait (the host) until every copy in has read the central tensors: then they
+        may change (a run returning before its gradients arrive, offload.py)."""
         for group in self._groups:
-            pairs = [(t, leaf) for t, leaf in zip(group.tensors, group.leaves)
-                     if leaf.grad is not None]
-            if not pairs:
-                continue
-            flat = torch.cat([leaf.grad.reshape(-1) for _, leaf in pairs])
-            for _, leaf in pairs:
-                leaf.grad = None
-            if flat.device.type == "cuda" and self.param_device.type == "cpu":
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                host.copy_(flat, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                transfers.append(([t for t, _ in pairs], host, event))
-            else:
-                transfers.append(([t for t, _ in pairs], flat.to(self.param_device), None))
-        return transfers
+            for bucket in group.buckets:
+                bucket.copied_in()
+
+    @property
+    def buckets(self) -> list:
+        """Every bucket, by dtype, in creation order."""
+        return [bucket for group in self._groups for bucket in group.buckets]
+
+    def start_grads(self) -> list:
+        """Hand over this replica's new gradients on their way to the parameter device.
+
+        One coalesced copy per bucket, most of them started by the backward itself; from
+        a GPU to a CPU parameter device a non-blocking copy into fresh pinned memory (the
+        caching host allocator makes that cheap), so the copies of several GPUs overlap.
+        :func:`finish_grads` waits for them. Only leaves that received a gradient take
+        part, with the gradient they hold now. In the order the copies left.
+        """
+        numbered: list = []
+        for group in self._groups:
+            group.start_grads(numbered)
+        numbered.sort(key=lambda item: item[0])  # the order they left in
+        return [transfer for _, transfer in numbered]
 
 
 def finish_grads(transfers: list) -> tuple[list, list]:
     """Wait for :meth:`DeviceMirror.start_grads` copies; the central tensors and their
     gradients, each gradient a view of its arrived flat buffer."""
     centrals, grads = [], []
-    for tensors, flat, event in transfers:
+    for pairs, flat, event in transfers:
         if event is not None:
             event.synchronize()
-        offset = 0
-        for tensor in tensors:
-            numel = tensor.numel()
+        for tensor, offset in pairs:
             centrals.append(tensor)
-            grads.append(flat[offset:offset + numel].view(tensor.shape))
-            offset += numel
+            grads.append(flat[offset:offset + tensor.numel()].view(tensor.shape))
     return centrals, grads

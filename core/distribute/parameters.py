@@ -14,23 +14,26 @@ that replica's *leaf* for the central parameter:
 * same physical device as the parameter device: a detached alias sharing its storage
   (no copy; one per replica, so each replica's backward fills its own ``.grad``);
 * another device (a GPU replica, or any replica when ``copy_parameters=True``): a view
-  into a flat buffer on the replica's device, refreshed with one coalesced copy per dtype
-  at each run's first read (and after ``merge_call``): a write through ``.data`` changes
-  no version, so every run copies, as ``DataParallel`` does on every forward.
+  into a flat buffer on the replica's device, refreshed with one coalesced copy per
+  bucket (:mod:`.buckets`) at each run's first read (and after ``merge_call``): a write
+  through ``.data`` changes no version, so every run copies, as ``DataParallel`` does on
+  every forward.
 
 An alias replica is served the parameters it read in the previous run before it starts
 (:meth:`ParameterStore._serve_again`): a first read inside a concurrent replica costs
 several times more than here, the replicas contending for the GIL.
 
 **Gradients.** When the replicas have finished, each replica's leaf gradients are moved to
-the parameter device (one coalesced copy per replica device) and added to the central
-``.grad`` in replica order, so the result is deterministic. Gradients produced later (a
+the parameter device (a copy replica's in one coalesced copy per bucket, most of them
+started by its backward: :mod:`.buckets`) and added to the central ``.grad`` in replica
+order, so the result is deterministic. Gradients produced later (a
 backward through ``run``'s outputs in cross-replica context, also after other runs) are
 collected when that backward ends (a pre-hook on each output's ``grad_fn`` queues one
 callback per backward with the autograd engine, as DDP does), so ``clip_grad_norm_`` and
 ``GradScaler.unscale_`` see them; before ``optimizer.step()`` and each ``run`` as well.
-The leaves themselves carry no hook: a Python hook in every replica's backward takes the
-GIL once per parameter, and two replicas contending for it ran 15-20% slower. Alias
+Alias leaves carry no hook: a Python hook in every replica's backward takes the GIL once
+per parameter, and two replicas contending for it ran 15-20% slower (the leaves of a copy
+cut in several buckets do, where a transfer pays for it). Alias
 leaves hold the central tensors weakly: a model deleted by the user is freed, not kept by
 its replicas (device mirrors, for copies, still keep theirs: see
 :meth:`ParameterStore.forget`).
@@ -62,8 +65,9 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
-from . import context, sync_batch_norm, torch_internals
+from . import context, offload, sync_batch_norm, torch_internals
 from .broadcast import DeviceMirror, finish_grads
+from .buckets import DEFAULT_BYTES_PER_PACK
 from .torch_internals import plain_tensor_dict, set_tensor_dict, tensor_dict, tensor_version
 from .values import flatten
 from .variables import VariableAggregation
@@ -309,6 +313,11 @@ class ParameterStore:
         # deleted model does not live on in its replicas' aliases (:meth:`forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
+        # the most bytes a copy replica moves in one copy (StrategyOptions.bytes_per_pack)
+        self.bytes_per_pack = DEFAULT_BYTES_PER_PACK
+        # a run's gradients still on their way from GPUs (offload.py)
+        self._arrival: offload.Arrival | None = None
+        self._run_ended = False  # finish_run's flush, which may leave gradients arriving
         self._followed: set[int] = set()  # ids of the tensors whose end :meth:`forget` sees
         # In a run, finish_run collects the leaves' gradients; outside one, a hook on
         # the run's outputs has them collected at the end of the backward through them.
@@ -491,6 +500,27 @@ class ParameterStore:
         """Called before any ``optimizer.step()``: collect gradients still on replicas."""
         self.flush_pending()
 
+    def step_by_bucket(self, optimizer: torch.optim.Optimizer, args: tuple,
+                       kwargs: dict) -> None:
+        """Called next: gradients still on their way from GPUs are stepped bucket by
+        bucket as they arrive, the optimizer's groups split for this step
+        (:mod:`.offload`), or waited for here. ``args``, ``kwargs``: the step's."""
+        arrival = self._arrival
+        if arrival is None or not any(arrival.owns(p) for group in optimizer.param_groups
+                                      for p in group["params"]):
+            return
+        reason = offload.why_not_by_bucket(optimizer, args, kwargs)
+        if reason is not None:
+            offload.warn_not_by_bucket(optimizer, reason)
+        if reason is not None or not offload.step_by_bucket(optimizer, arrival):
+            self._land_arrival()
+
+    def _land_arrival(self) -> None:
+        """Wait for the gradients still on their way (before any others are added)."""
+        arrival, self._arrival = self._arrival, None
+        if arrival is not None:
+            arrival.land_all()
+
     @property
     def generation(self) -> int:
         return self._generation
@@ -584,7 +614,11 @@ class ParameterStore:
                 self._aggregate_buffers(servings)
                 break
         self._running = False
-        self.flush_pending()
+        self._run_ended = True  # this flush may leave gradients arriving (offload.py)
+        try:
+            self.flush_pending()
+        finally:
+            self._run_ended = False
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
@@ -619,6 +653,8 @@ class ParameterStore:
 
         Every replica's transfer starts before any is waited for (so copies from several
         devices overlap); they are added in replica order, so the sum is deterministic.
+        At a run's end, gradients still on their way from GPUs may stay so, in ``.grad``
+        as :class:`.offload.ArrivingGrad` (see :meth:`_may_arrive_later`).
         """
         if not (any(self._aliases) or any(self._mirrors)):  # no leaves (yet), or direct
             return
@@ -627,6 +663,14 @@ class ParameterStore:
         with self._lock:
             started = [self._start_leaf_grads(r) for r in range(len(self.compute_devices))]
             if not any(started):  # nothing new since the last flush: the usual re-check
+                return
+            self._land_arrival()  # the earlier gradients first: added in order
+            if self._run_ended and self._may_arrive_later(started):
+                for mirror in self._mirrors:  # code after run may write the parameters
+                    if mirror is not None:
+                        mirror.copied_in()
+                self._arrival = offload.Arrival(started)
+                self._arrival.place()
                 return
             with torch.no_grad():
                 held = {} if self._hooked else None  # hooked tensors: summed, then hooked
@@ -638,6 +682,23 @@ class ParameterStore:
                         accumulate(centrals, grads)
                 if held:
                     _accumulate_hooked(held.values())
+
+    def _may_arrive_later(self, started: list) -> bool:
+        """Whether a run's gradients may land after it returns: every one is on its way
+        from a GPU (a copy with an event), and lands as the synchronous path would add
+        it -- into no earlier gradient, through no hook of the user's."""
+        for replica_id, transfers in enumerate(started):
+            if not transfers:
+                continue
+            if not self.copies[replica_id]:
+                return False
+            for pairs, _, event in transfers:
+                if event is None:
+                    return False
+                for central, _ in pairs:
+                    if central.grad is not None or id(central) in self._hooked:
+                        return False
+        return True
 
     def flush_after_backward(self) -> None:
         """A leaf got a gradient outside a run: flush when the current backward ends
@@ -724,7 +785,7 @@ class ParameterStore:
         mirror = self._mirrors[replica_id]
         if mirror is None:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device,
-                                  self._torch_param)
+                                  self._torch_param, self.bytes_per_pack)
             self._mirrors[replica_id] = mirror
         return mirror
 
@@ -1147,6 +1208,8 @@ def _before_optimizer_step(optimizer, args, kwargs):
             "optimizer.step() was called inside strategy.run; call it after run returns "
             "(cross-replica context), where the replicas' gradients have been summed -- or "
             "inside get_replica_context().merge_call(lambda strategy: optimizer.step())")
+    offload.rejoin(optimizer)  # a step that raised left its groups split
     for store in list(_live_stores):
         store.before_optimizer_step(optimizer)
+        store.step_by_bucket(optimizer, args, kwargs)
     return None

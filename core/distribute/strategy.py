@@ -26,6 +26,7 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
                       resolve_device, resolve_devices)
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext, place_values)
+from .buckets import DEFAULT_BYTES_PER_PACK
 from .parameters import ParameterStore, eager_if_uncompilable, serve_while
 from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
@@ -52,12 +53,18 @@ class StrategyOptions:
         equal shares), ``"balanced"`` (in proportion to each replica's measured speed,
         see :mod:`.batch_split`), or ``"auto"``: balanced for replicas on different
         kinds of device (GPU and CPU), else even.
+      bytes_per_pack: the most bytes a replica that computes on a copy of the parameters
+        (a GPU, or ``copy_parameters``) moves in one copy: its parameters and gradients
+        cross in buckets of this size, the gradients while the backward still runs (TF's
+        ``CommunicationOptions.bytes_per_pack``; DDP's ``bucket_cap_mb``). 0: one copy
+        per dtype each way. Default 25 MiB.
     """
 
     copy_parameters: bool = False
     execution: str = "auto"
     sync_batch_norm: bool = True
     batch_split: str = "auto"
+    bytes_per_pack: int = DEFAULT_BYTES_PER_PACK
 
     def __post_init__(self):
         if self.execution not in ("auto", "ordered", "concurrent"):
@@ -66,6 +73,10 @@ class StrategyOptions:
         if self.batch_split not in MODES:
             raise ValueError(f"batch_split must be 'auto', 'even' or 'balanced', got "
                              f"{self.batch_split!r}")
+        size = self.bytes_per_pack
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"bytes_per_pack must be an integer >= 0 (0: one copy per "
+                             f"dtype), got {size!r}")
 
 
 @dataclasses.dataclass
@@ -401,6 +412,7 @@ class ParameterServerStrategyExtended:
         self._num_replicas_in_sync = num_workers * len(compute)
         self._store = store if store is not None else ParameterStore(
             parameter, compute, self.options.copy_parameters)
+        self._store.bytes_per_pack = self.options.bytes_per_pack
         serve_while(container, self._store)
         self._executor = ReplicaExecutor(f"csrun-{id(self):x}")
         self._executor.close_with(container)

@@ -40,7 +40,8 @@ __all__ = [
     "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
-    "function_modes", "default_device", "register_state_dict_hooks",
+    "function_modes", "default_device", "register_state_dict_hooks", "make_wrapper_tensor",
+    "disabled_torch_function", "optimizer_step_hooks",
     "uses_openmp", "GnuOpenMP", "torch_gnu_openmp", "gloo_group",
 ]
 
@@ -500,3 +501,23 @@ def gloo_group(store, rank: int, size: int, timeout, device=None):
     options = dist.ProcessGroupGloo._Options()
     options._devices, options._timeout = [device], timeout
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+# -- gradients still on their way (offload.py) ----------------------------------------------
+# A central tensor's .grad may be a gradient a GPU is still sending: a tensor subclass with
+# no storage of its own whose every op lands the gradient first (``__torch_dispatch__``).
+# torch's recipe for such wrapper subclasses names these two privately.
+make_wrapper_tensor: Callable = torch.Tensor._make_wrapper_subclass
+# a subclass's __torch_function__ that adds nothing: ops go straight to __torch_dispatch__
+# and return plain tensors (torch's own nn.Parameter uses it)
+disabled_torch_function: Callable = torch._C._disabled_torch_function_impl
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step hooks ``optimizer.step()`` runs, before and after, its own and the
+    global ones. Stepping bucket by bucket splits the optimizer's parameter groups for
+    the step: a hook would see them split. torch offers no public count."""
+    from torch.optim import optimizer as optimizer_module
+    return (len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+            + len(optimizer_module._global_optimizer_pre_hooks)
+            + len(optimizer_module._global_optimizer_post_hooks))

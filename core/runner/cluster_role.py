@@ -165,7 +165,8 @@ def connect(config, stop: threading.Event | None = None) -> ParameterServerStrat
         return ParameterServerStrategy(
             cluster_resolver(s), s.num_gpus_per_worker, compute_devices=s.compute_devices,
             variable_placement=s.variable_placement, timeout=s.timeout_s,
-            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution),
+            options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution,
+                                    bytes_per_pack=s.bytes_per_pack),
             stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner),
             serve_embedding_rows=s.serve_embedding_rows)
     except ParameterServerError as exc:

@@ -67,7 +67,8 @@ class LocalRole:
         self.strategy = CentralStorageStrategy(
             s.compute_devices, s.parameter_device,
             options=StrategyOptions(copy_parameters=s.copy_parameters, execution=s.execution,
-                                    batch_split=s.batch_split))
+                                    batch_split=s.batch_split,
+                                    bytes_per_pack=s.bytes_per_pack))
         self.parameter_device = self.strategy.extended.parameter_device.short_name
 
     def state_dict(self) -> dict:
