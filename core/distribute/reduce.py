@@ -26,7 +26,8 @@ import torch
 
 from . import torch_internals
 
-__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device"]
+__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device",
+           "destination"]
 
 _CPU = torch.device("cpu")
 _function_mode_depth = torch_internals.function_mode_depth  # bound: asked on every reduce
@@ -42,6 +43,20 @@ def current_device() -> torch.device:
     if _function_mode_depth() == 0:
         return _CPU
     return torch.get_default_device()
+
+
+def destination(values: Sequence[Any], device: torch.device) -> torch.device:
+    """Where ``strategy.reduce``/``gather`` put their result: ``device`` (the current
+    device), except that with the CPU there, values on an accelerator stay on one (the
+    first replica's in replica order that is on one). Copying a GPU loss to the host
+    would wait for the GPU on every step, which a plain loop's ``loss.detach()`` does not
+    (a deviation from TF, which copies to CPU:0: docs/tf-parity.md)."""
+    if device is not _CPU and device.type != "cpu":
+        return device
+    for value in values:
+        if type(value) is torch.Tensor and not value.is_cpu:
+            return value.device
+    return device
 
 
 def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:

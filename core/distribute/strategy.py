@@ -26,7 +26,8 @@ from .devices import (LogicalDevice, default_compute_devices, default_parameter_
 from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder, InputContext,
                     InputOptions, TensorSliceDataset, ValueContext)
 from .parameters import ParameterStore, serve_while
-from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
+from .reduce import (ReduceOp, as_tensor, current_device, destination, gather_values,
+                     reduce_values)
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
                      regroup, unstack)
@@ -88,6 +89,8 @@ class _Scope:
     def __exit__(self, *exc) -> None:
         context.pop(self._entry)
         self._entry = None
+        # what was built on the CPU in scope goes to the parameter device now
+        self._strategy.extended.store.place_pending()
 
 
 def _check_not_mixing(current: Entry, strategy: "Strategy") -> None:
@@ -178,37 +181,40 @@ class Strategy:
         """Reduce ``value`` across replicas (and along ``axis`` when given).
 
         The result goes to the current default device (``torch.get_default_device()``,
-        the CPU unless set), TF's "current device". Nests are reduced leaf by leaf.
+        the CPU unless set), TF's "current device"; with the CPU there, values on a GPU
+        stay on the GPU (the first replica's that is on one), so reducing a GPU loss
+        does not wait for the GPU. Nests are reduced leaf by leaf.
         """
         require_cross_replica_or_default(self, "reduce")
         op = ReduceOp.resolve(reduce_op)
         device = current_device()
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
-            return reduce_values(op, value.values, axis, device)
+            values = value.values
+            return reduce_values(op, values, axis, destination(values, device))
         return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
             if isinstance(value, (tuple, list, dict)) else \
             self._reduce_leaf(op, value, axis, device)
 
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None, device) -> Any:
         if isinstance(value, DistributedValues):
-            return reduce_values(op, value.values, axis, device)
+            return reduce_values(op, value.values, axis, destination(value.values, device))
         replicas = self._extended.num_local_replicas
         if axis is None:
             _check_not_ambiguous(op, value, replicas)
             return value
         tensor = as_tensor(value.value() if isinstance(value, Variable) else value)
-        return reduce_values(op, [tensor] * replicas, axis, device)
+        return reduce_values(op, [tensor] * replicas, axis, destination([tensor], device))
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate the replicas' components along ``axis`` on the current device."""
+        """Concatenate the replicas' components along ``axis`` on the current device
+        (values on a GPU stay there, as in :meth:`reduce`)."""
         require_cross_replica_or_default(
             self, "gather", "use get_replica_context().all_gather() instead")
         device = current_device()
 
         def leaf(v):
-            if isinstance(v, DistributedValues):
-                return gather_values(v.values, axis, device)
-            return gather_values([v], axis, device)
+            values = v.values if isinstance(v, DistributedValues) else [v]
+            return gather_values(values, axis, destination(values, device))
         return map_structure(leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple:
