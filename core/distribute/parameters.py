@@ -102,9 +102,13 @@ class ServedDict(dict):
         if torch.compiler.is_compiling():
             return _compiled_read(serving, self, name, value)
         if self.kind == "parameter" and not serving.slow:
-            served = serving.served(id(value))
-            if served is not None:
-                return served[1]
+            if serving.direct:  # one replica on the parameter device: the tensor itself
+                if value.device == serving.device:
+                    return value
+            else:
+                served = serving.served(id(value))
+                if served is not None:
+                    return served[1]
         return serving.serve(self, name, value)
 
     def get(self, name, default=None):
@@ -275,6 +279,7 @@ class ParameterStore:
         # holds the lock calls forget, which takes it too
         self._lock = threading.RLock()
         self.torch_devices = [d.torch_device for d in self.compute_devices]
+        self._replica_ids = range(len(self.compute_devices))
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
         # One replica on the parameter device is served the central tensors themselves:
         # its gradients accumulate straight into .grad, as in a plain loop, with no leaf
@@ -510,15 +515,18 @@ class ParameterStore:
         backpropagates earlier outputs (nothing is served ahead of it)."""
         if _eager_serve is None:
             _prepare_for_compile()
-        self.place_pending()
-        self.flush_pending()
+        if self._pending:
+            self.place_pending()
+        direct = self.direct  # no leaves to flush or serve ahead: the central tensors
+        if not direct:
+            self.flush_pending()
         self._running = True
-        servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        servings = [ReplicaServing(self, r) for r in self._replica_ids]
         if not reads:
             return servings
         if any(self.compiled_leaves):
             self._serve_compiled(servings)
-        else:
+        elif not direct:
             self._serve_again(servings)
         return servings
 
@@ -582,7 +590,8 @@ class ParameterStore:
                 self._aggregate_buffers(servings)
                 break
         self._running = False
-        self.flush_pending()
+        if not self.direct:
+            self.flush_pending()
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
@@ -590,6 +599,9 @@ class ParameterStore:
         an output that is itself a leaf (a returned parameter) gets a post-accumulate
         hook instead, which stays on it (and takes the GIL in later runs' backwards)."""
         if self.direct:
+            return
+        # the usual outputs, detached losses (tensors that need no grad): nothing to walk
+        if all([type(o) is torch.Tensor and not o.requires_grad for o in outputs]):
             return
         hook = self._late_hook
         for tensor in _graph_tensors(outputs, set()):

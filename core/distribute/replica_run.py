@@ -185,8 +185,9 @@ class ReplicaRun:
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
         # Captured now: a replica may reach a rendezvous inside no_grad, and the workers
-        # started then must still see the caller's settings of when run began.
-        self.thread_state = _ThreadState.capture()
+        # started then must still see the caller's settings of when run began. One
+        # replica never leaves the caller's thread.
+        self.thread_state = _ThreadState.capture() if num_replicas > 1 else None
 
     @property
     def cond(self) -> threading.Condition:
@@ -547,6 +548,10 @@ class ExecutionPolicy:
             self.state = "probe"  # ordered while timings and random draws are watched
         else:
             self.state = "concurrent"
+        # Nothing to decide or watch run by run (one replica, GPUs, a GPU and one CPU):
+        # the run skips before_run/after_run and reads these as they are
+        self.fixed = self._random is None and not self._shared_cpu
+        self.fixed_threads = self.threads() if self.fixed else None
 
     @property
     def concurrent(self) -> bool:

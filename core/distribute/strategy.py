@@ -163,7 +163,8 @@ class Strategy:
         entry = context.current_entry()
         if entry.replica is not None:
             cross_replica_required("run")
-        _check_not_mixing(entry, self)
+        if entry.strategy is not None and entry.strategy is not self:
+            _check_not_mixing(entry, self)
         return self._extended.call_for_each_replica(fn, args, kwargs)
 
     def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
@@ -466,13 +467,15 @@ class ParameterServerStrategyExtended:
             if not isinstance(args, (tuple, list)):
                 raise TypeError(f"args must be a tuple, got {type(args).__name__}")
             args = tuple(args)
-        self._enter_run()
+        if not self._run_lock.acquire(False):
+            self._refuse_nested()
         try:
             count = self._num_local_replicas
             outputs = self._call(fn, unstack(args, count),
                                  unstack(kwargs, count) if kwargs else None)
-            self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
-            return regroup(outputs)
+            if not self._store.direct:  # after the run is done: it cannot undo it
+                self._store.watch_outputs(outputs)
+            return outputs[0] if count == 1 else regroup(outputs)
         finally:
             self._run_lock.release()
 
@@ -504,35 +507,44 @@ class ParameterServerStrategyExtended:
     def _enter_run(self) -> None:
         """Take the run lock (its caller releases it), or refuse a nested run."""
         if not self._run_lock.acquire(False):
-            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
-                               "running (e.g. run called inside merge_call's merge_fn)")
+            self._refuse_nested()
+
+    @staticmethod
+    def _refuse_nested() -> None:
+        raise RuntimeError("strategy.run cannot be nested: this strategy is already "
+                           "running (e.g. run called inside merge_call's merge_fn)")
 
     def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
               reads: bool = True) -> list:
         # The hot path of every step: an empty run's cost is all Python bookkeeping here.
-        count = self._num_local_replicas
-        servings = self._store.begin_run(reads)
-        policy = self._policy
-        streams = self._replica_streams()
+        count, store, policy = self._num_local_replicas, self._store, self._policy
+        servings = store.begin_run(reads)
+        streams = self._replica_streams() if self._has_gpu else None
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
-        run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
-                         servings, self._collectives_for, policy.random(), policy.team())
+        if policy.fixed:  # one replica, or devices of their own: nothing to decide
+            run = ReplicaRun(count, policy.concurrent, body, self._executor,
+                             policy.fixed_threads, servings, self._collectives_for)
+            snapshot = None
+        else:
+            run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
+                             servings, self._collectives_for, policy.random(), policy.team())
+            snapshot = policy.before_run()
         if streams is not None:
             self._start_streams(streams)
-        snapshot = policy.before_run()
         self._current_run = run
         try:
             outputs = run.execute()
             if streams is not None:
                 self._join_streams(streams)
-            self._store.finish_run(servings, reads)
+            store.finish_run(servings, reads)
         except BaseException:
-            self._store.discard_run(servings)
+            store.discard_run(servings)
             raise
         finally:
             self._current_run = None
             run.release()
-        policy.after_run(snapshot, run.durations)
+        if not policy.fixed:
+            policy.after_run(snapshot, run.durations)
         return outputs
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:
