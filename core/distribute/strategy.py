@@ -526,9 +526,9 @@ class ParameterServerStrategyExtended:
                              policy.fixed_threads, servings, self._collectives_for)
             snapshot = None
         else:
-            run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
-                             servings, self._collectives_for, policy.random(), policy.team())
-            snapshot = policy.before_run()
+            threads, random, team, snapshot = policy.start()
+            run = ReplicaRun(count, policy.concurrent, body, self._executor, threads,
+                             servings, self._collectives_for, random, team)
         if streams is not None:
             self._start_streams(streams)
         self._current_run = run
@@ -562,11 +562,11 @@ class ParameterServerStrategyExtended:
             context.push(entry)
             try:
                 a = replica_args[replica_id]
-                k = replica_kwargs[replica_id] if replica_kwargs is not None else {}
+                k = replica_kwargs[replica_id] if replica_kwargs is not None else None
                 if streams is not None and streams[replica_id] is not None:
                     device = self._compute[replica_id].torch_device
                     with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
-                        return fn(*a, **k)
+                        return fn(*a, **k) if k else fn(*a)
                 return fn(*a, **k) if k else fn(*a)
             except ReplicaAborted:
                 raise

@@ -370,3 +370,53 @@ def test_unsynchronized_batch_norm_in_replicas_updates_the_running_stats():
         lambda ctx: x[2 * ctx.replica_id_in_sync_group:][:2]),))
     assert bn.running_mean.tolist() == x.mean(0).tolist()
     assert int(bn.num_batches_tracked) == 1
+
+
+# -- the random-number watch of logical CPU replicas --------------------------------------
+def _reads(monkeypatch) -> list:
+    from csrun.core.distribute import replica_random, replica_run
+    reads: list = []
+    real = replica_random.global_state
+
+    def counted():
+        reads.append(1)
+        return real()
+    monkeypatch.setattr(replica_random, "global_state", counted)
+    monkeypatch.setattr(replica_run, "global_state", counted)
+    return reads
+
+
+def test_the_watch_reads_the_generator_once_a_run_while_nothing_draws_between(monkeypatch):
+    """Replicas that do not draw are watched for a first draw every run; while nothing
+    draws between runs either, the last run's end stands for the next one's start."""
+    strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+    x = torch.ones(4, 8)
+    for _ in range(4):
+        strategy.run(lambda v: v.sum(), args=(x,))
+    reads = _reads(monkeypatch)
+    strategy.run(lambda v: v.sum(), args=(x,))
+    assert len(reads) == 1
+    torch.rand(1)  # the user's own draw between runs: seen moved at this run's end...
+    strategy.run(lambda v: v.sum(), args=(x,))
+    strategy.run(lambda v: v.sum(), args=(x,))  # ... so the next reads both ends
+    assert len(reads) == 1 + 1 + 2
+
+
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+def test_replicas_that_start_drawing_get_their_streams_back(execution):
+    """Concurrent replicas get their streams back from the run after their first draw
+    (the watch reads both ends of every run); replicas in order, watched once a run, a
+    run later (their draws from the global generator are in replica order: they repeat)."""
+    import warnings
+    strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0",
+                                         options=cs.StrategyOptions(execution=execution))
+    x = torch.ones(4, 8)
+    for _ in range(4):
+        strategy.run(lambda v: v.sum(), args=(x,))
+    armed = []
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            strategy.run(lambda v: F.dropout(v, 0.5), args=(x,))
+        armed.append(strategy.extended._policy._armed)
+    assert armed == ([False, True, True] if execution == "ordered" else [True, True, True])
