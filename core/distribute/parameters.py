@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.parameter import is_lazy
 from torch.optim import optimizer as optim_module
 
 from . import context, sync_batch_norm, torch_internals
@@ -494,7 +495,8 @@ class ParameterStore:
             pending, self._pending = self._pending, []
             _deferring.discard(self)
         for tensor in pending:
-            if tensor.device != self._torch_param:  # unless the user moved it there
+            # not one the user moved there, nor a lazy module's (it has no data yet)
+            if tensor.device != self._torch_param and not is_lazy(tensor):
                 _move_in_place(tensor, self._torch_param)
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:

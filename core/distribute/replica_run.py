@@ -555,10 +555,10 @@ class ExecutionPolicy:
             self.state = "probe"  # ordered while timings and random draws are watched
         else:
             self.state = "concurrent"
-        # Nothing to decide or watch run by run (one replica, GPUs, a GPU and one CPU):
-        # the run skips before_run/after_run and reads these as they are
-        self.fixed = self._random is None and not self._shared_cpu
-        self.fixed_threads = self.threads() if self.fixed else None
+        # Nothing to decide, watch or split run by run (one replica, GPUs, a GPU and one
+        # CPU): the run asks the policy nothing
+        self.fixed = (self._random is None and not self._shared_cpu
+                      and self.threads() is None)
 
     @property
     def concurrent(self) -> bool:

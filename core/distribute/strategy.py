@@ -522,8 +522,8 @@ class ParameterServerStrategyExtended:
         streams = self._replica_streams() if self._has_gpu else None
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
         if policy.fixed:  # one replica, or devices of their own: nothing to decide
-            run = ReplicaRun(count, policy.concurrent, body, self._executor,
-                             policy.fixed_threads, servings, self._collectives_for)
+            run = ReplicaRun(count, policy.concurrent, body, self._executor, None, servings,
+                             self._collectives_for)
             snapshot = None
         else:
             threads, random, team, snapshot = policy.start()
