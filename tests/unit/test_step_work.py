@@ -15,6 +15,8 @@ replica's examples / the global batch, ``loss.backward()`` in the replica,
 from __future__ import annotations
 
 import collections
+import contextlib
+import warnings
 
 import pytest
 import torch
@@ -79,7 +81,7 @@ def _csrun(devices, counted: _Counted, make=_net, **options):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def replica(x, y):
-        with counted.count.replica() if counted.count else _nothing():
+        with counted.count.replica() if counted.count else contextlib.nullcontext():
             loss = F.cross_entropy(model(x), y, reduction="sum") / BATCH
             loss.backward()
             return loss.detach()
@@ -92,15 +94,7 @@ def _csrun(devices, counted: _Counted, make=_net, **options):
     return model, step, lambda batches: list(strategy.experimental_distribute_dataset(batches))
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _count(model, step, distribute, counted: _Counted | None = None) -> OpCount:
+def _count(_model, step, distribute, counted: _Counted | None = None) -> OpCount:
     batches = distribute(_batches())
     for x, y in batches[:WARM_STEPS]:
         step(x, y)
@@ -412,7 +406,6 @@ def test_replicas_that_start_drawing_get_their_streams_back(execution):
     """Concurrent replicas get their streams back from the run after their first draw
     (the watch reads both ends of every run); replicas in order, watched once a run, a
     run later (their draws from the global generator are in replica order: they repeat)."""
-    import warnings
     strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0",
                                          options=cs.StrategyOptions(execution=execution))
     x = torch.ones(4, 8)
