@@ -82,18 +82,8 @@ def synchronized_batch_norm(module: torch.nn.Module, input: torch.Tensor,
     if module.track_running_stats and module.running_mean is not None:
         with torch.no_grad():
             module.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
-            module.running_var.mul_(1 - factor).add_(
-                var.detach() * _bessel(n, var.dtype) * factor)
+            module.running_var.mul_(1 - factor).add_(var.detach() * (n / (n - 1)) * factor)
     return output.to(input.dtype)
-
-
-def _bessel(n, dtype: torch.dtype):
-    """``n / (n - 1)``, rounded as Python's float division of a count read on the host
-    would be (in float64, then to ``dtype``), so results do not depend on where n is."""
-    if not isinstance(n, torch.Tensor):
-        return n / (n - 1)
-    n = n.double()
-    return (n / (n - 1)).to(dtype)
 
 
 def _global_count(total: torch.Tensor, local_count: int):
