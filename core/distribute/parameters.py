@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.parameter import is_lazy
 from torch.optim import optimizer as optim_module
 
 from . import context, offload, sync_batch_norm, torch_internals
@@ -108,9 +109,13 @@ class ServedDict(dict):
         if torch.compiler.is_compiling():
             return _compiled_read(serving, self, name, value)
         if self.kind == "parameter" and not serving.slow:
-            served = serving.served(id(value))
-            if served is not None:
-                return served[1]
+            if serving.direct:  # one replica on the parameter device: the tensor itself
+                if value.device == serving.device:
+                    return value
+            else:
+                served = serving.served(id(value))
+                if served is not None:
+                    return served[1]
         return serving.serve(self, name, value)
 
     def get(self, name, default=None):
@@ -261,6 +266,29 @@ def get_aggregation(module: torch.nn.Module | None, buffer_name: str,
     return VariableAggregation.ONLY_FIRST_REPLICA
 
 
+def _aggregated_none(owner: "ServedDict", name: str, tensor: torch.Tensor) -> bool:
+    """Whether the buffer's aggregation is NONE (a write is refused after the run: a
+    replica writing in place would already have changed it)."""
+    if not _aggregations:  # the usual case: nobody chose one
+        return False
+    return get_aggregation(owner.module(), name, tensor) is VariableAggregation.NONE
+
+
+# What BatchNorm's native kernels (native_batch_norm, cudnn's, ...) write in place in
+# training mode without bumping the tensors' version counters (test_step_work checks
+# that torch still does so), so no version tells that a replica wrote them.
+_KERNEL_WRITTEN = frozenset({"running_mean", "running_var"})
+
+
+def _written_by_kernel(owner: "ServedDict", name: str) -> bool:
+    """Whether serving ``owner[name]`` now means it will be written unseen: a BatchNorm
+    reads its running statistics in training mode to hand them to its kernel."""
+    if name not in _KERNEL_WRITTEN:
+        return False
+    module = owner.module()
+    return module is not None and module.training and torch_internals.is_batch_norm(module)
+
+
 def _aggregate(central: torch.Tensor, copies: list, aggregation: VariableAggregation,
                path: str) -> torch.Tensor:
     """Combine the written replica copies of a buffer (``copies[r]`` or None)."""
@@ -270,6 +298,8 @@ def _aggregate(central: torch.Tensor, copies: list, aggregation: VariableAggrega
             f"buffer {path} was written inside replicas but its aggregation is NONE; choose "
             "one with csrun.core.set_aggregation(module, name, 'MEAN'|'SUM'|"
             "'ONLY_FIRST_REPLICA')")
+    if all(c is central for c in written):  # one replica wrote the buffer itself
+        return central
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         return copies[0] if copies[0] is not None else central
     device = central.device
@@ -301,6 +331,7 @@ class ParameterStore:
         # holds the lock calls forget, which takes it too
         self._lock = threading.RLock()
         self.torch_devices = [d.torch_device for d in self.compute_devices]
+        self._replica_ids = range(len(self.compute_devices))
         self.copies = [self._needs_copy(d, copy_parameters) for d in self.compute_devices]
         # One replica on the parameter device is served the central tensors themselves:
         # its gradients accumulate straight into .grad, as in a plain loop, with no leaf
@@ -337,6 +368,9 @@ class ParameterStore:
         # ids of the tensors registered since the last run began: served before the next
         # (a first read inside torch.func.vmap cannot make a leaf there)
         self._fresh: list[int] = []
+        # Built on the CPU, still there: what modules register in scope while the
+        # parameter device is elsewhere (:meth:`defers`), moved by :meth:`place_pending`
+        self._pending: list[torch.Tensor] = []
 
     def _needs_copy(self, device, copy_parameters: bool | None) -> bool:
         if copy_parameters:
@@ -470,7 +504,9 @@ class ParameterStore:
                 entry[1].grad = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tracked central tensors in creation order (TF places variables in it)."""
+        """The tracked central tensors in creation order (TF places variables in it),
+        on the parameter device (:meth:`place_pending` first)."""
+        self.place_pending()
         with self._lock:
             alive = [(self._order[i], t) for i, t in self._tensors.items()]
         return [t for _, t in sorted(alive, key=lambda pair: pair[0])]
@@ -497,7 +533,9 @@ class ParameterStore:
         return False
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called before any ``optimizer.step()``: collect gradients still on replicas."""
+        """Called before any ``optimizer.step()``: tensors still on the CPU placed (the
+        optimizer's state is made next to them), gradients still on replicas collected."""
+        self.place_pending()
         self.flush_pending()
 
     def step_by_bucket(self, optimizer: torch.optim.Optimizer, args: tuple,
@@ -525,6 +563,36 @@ class ParameterStore:
     def generation(self) -> int:
         return self._generation
 
+    def defers(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``, registered by a module in scope, stays where it was built
+        for now: on the CPU, for a parameter device elsewhere. The module's own
+        initialization (``reset_parameters``) then draws from the CPU generator, as
+        ``torch.manual_seed(s); Net().to(device)`` does, so the same seed gives the same
+        model on any parameter device; :meth:`place_pending` moves it when the scope
+        ends or the store is first used. Built under ``torch.device("meta")`` it is
+        allocated on the parameter device at once and initialized there (the opt-out
+        for models too big to build on the host: docs/performance.md)."""
+        return (tensor.is_cpu and self._torch_param.type != "cpu"
+                and context.current_entry().replica is None)  # not built inside a run
+
+    def defer(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._pending.append(tensor)
+        _deferring.add(self)
+
+    def place_pending(self) -> None:
+        """Move the tensors built on the CPU in scope to the parameter device, in place
+        (``tensor.data``: the same objects, which an optimizer made in scope holds)."""
+        if not self._pending:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, []
+            _deferring.discard(self)
+        for tensor in pending:
+            # not one the user moved there, nor a lazy module's (it has no data yet)
+            if tensor.device != self._torch_param and not is_lazy(tensor):
+                _move_in_place(tensor, self._torch_param)
+
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the parameter device (the same object when already there).
 
@@ -543,14 +611,18 @@ class ParameterStore:
         backpropagates earlier outputs (nothing is served ahead of it)."""
         if _eager_serve is None:
             _prepare_for_compile()
-        self.flush_pending()
+        if self._pending:
+            self.place_pending()
+        direct = self.direct  # no leaves to flush or serve ahead: the central tensors
+        if not direct:
+            self.flush_pending()
         self._running = True
-        servings = [ReplicaServing(self, r) for r in range(len(self.compute_devices))]
+        servings = [ReplicaServing(self, r) for r in self._replica_ids]
         if not reads:
             return servings
         if any(self.compiled_leaves):
             self._serve_compiled(servings)
-        else:
+        elif not direct:
             self._serve_again(servings)
         return servings
 
@@ -610,15 +682,16 @@ class ParameterStore:
         if reads:
             self._last_read = [tuple(s.params) for s in servings]
         for serving in servings:
-            if serving.buffers:
+            if serving.combine:
                 self._aggregate_buffers(servings)
                 break
         self._running = False
-        self._run_ended = True  # this flush may leave gradients arriving (offload.py)
-        try:
-            self.flush_pending()
-        finally:
-            self._run_ended = False
+        if not self.direct:
+            self._run_ended = True  # this flush may leave gradients arriving (offload.py)
+            try:
+                self.flush_pending()
+            finally:
+                self._run_ended = False
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
@@ -626,6 +699,9 @@ class ParameterStore:
         an output that is itself a leaf (a returned parameter) gets a post-accumulate
         hook instead, which stays on it (and takes the GIL in later runs' backwards)."""
         if self.direct:
+            return
+        # the usual outputs, detached losses (tensors that need no grad): nothing to walk
+        if all([type(o) is torch.Tensor and not o.requires_grad for o in outputs]):
             return
         hook = self._late_hook
         for tensor in _graph_tensors(outputs, set()):
@@ -817,7 +893,7 @@ class ReplicaServing:
     """What one replica of one run has been served, and what it wrote."""
 
     __slots__ = ("store", "replica_id", "device", "copies", "direct", "params", "ready",
-                 "buffers", "overrides", "slow", "_mirror", "_stale", "_force")
+                 "buffers", "combine", "overrides", "slow", "_mirror", "_stale", "_force")
 
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
@@ -830,8 +906,10 @@ class ReplicaServing:
         # the same, served before the run began and not read yet (ParameterStore.
         # _serve_again): moved to params by the first read, dropped by a merge
         self.ready: dict = {}
-        # (id of owner dict, name) -> [copy, version at serve, assigned, owner dict]
+        # (id of owner dict, name) -> [served tensor, its version when served, written
+        # for sure (assigned, or by a kernel that bumps no version), owner dict]
         self.buffers: dict = {}
+        self.combine = False  # a buffer was copied or assigned: combine after the run
         self._mirror = None
         # (id of owner dict, name) -> (tensor, owner dict) put in a parameter's place for a
         # while (torch.func.functional_call swaps them in and back); this replica's only
@@ -938,11 +1016,18 @@ class ReplicaServing:
         key = (id(owner), name)  # dicts are unhashable; the entry keeps the owner alive
         entry = self.buffers.get(key)
         if entry is None:
-            # never an inference tensor, even inside torch.inference_mode: those keep no
-            # version, which tells whether the replica wrote its copy
-            with torch.inference_mode(False):
-                copy = value.to(self.device, copy=True)
-            entry = self.buffers[key] = [copy, tensor_version(copy), False, owner]
+            if self.direct and not _aggregated_none(owner, name, value):
+                # one replica on the parameter device writes the buffer itself, as a
+                # plain loop does: nothing to copy, nothing to combine
+                served = value
+            else:
+                # never an inference tensor, even inside torch.inference_mode: those keep
+                # no version, which tells whether the replica wrote its copy
+                with torch.inference_mode(False):
+                    served = value.to(self.device, copy=True)
+                self.combine = True
+            entry = self.buffers[key] = [served, tensor_version(served),
+                                         _written_by_kernel(owner, name), owner]
         return entry[0]
 
     def assign(self, owner: ServedDict, name: str, value) -> None:
@@ -963,6 +1048,7 @@ class ReplicaServing:
             self.slow = self._stale or bool(self.overrides)
             return
         self.buffers[(id(owner), name)] = [value, None, True, owner]
+        self.combine = True
 
     def check_no_override(self) -> None:
         """A parameter replaced in the replica and not put back: refused (the others
@@ -974,20 +1060,17 @@ class ReplicaServing:
                 "torch.func.functional_call, which puts them back, is fine")
 
     def written_buffer(self, key) -> torch.Tensor | None:
-        """This replica's copy of a buffer if the replica changed it, else None.
-
-        Native kernels (BatchNorm's running statistics) write in place without bumping the
-        version counter, so an unchanged version is confirmed by comparing values; a copy
-        equal to the central value contributes nothing under any aggregation anyway.
-        """
+        """This replica's copy of a buffer if the replica changed it, else None: it was
+        assigned, its version counter moved (every in-place op, ``copy_``, ``+=``), or a
+        kernel known to write it without a version bump was fed it
+        (:func:`_written_by_kernel`). Never by comparing values: that waits for the
+        device on every buffer of every step. A write through ``.data`` bumps no
+        version and is not seen (docs/performance.md)."""
         entry = self.buffers.get(key)
         if entry is None:
             return None
-        copy, version, assigned, owner = entry
-        if assigned or tensor_version(copy) != version:
-            return copy
-        central = dict.__getitem__(owner, key[1])
-        return None if torch.equal(copy.to(central.device), central) else copy
+        copy, version, flagged, _ = entry
+        return copy if flagged or tensor_version(copy) != version else None
 
     def clear_grads(self) -> None:
         """Drop a failed run's gradients. A direct replica's are already in the central
@@ -1097,7 +1180,10 @@ def _module_call(module: torch.nn.Module, *args, **kwargs):
     tensors its strategy does not serve (built outside the scope) is adopted first;
     elsewhere torch's runs at once (~0.4 µs a call more than torch's alone)."""
     serving = context.current_serving()
-    if serving is not None:
+    if serving is None:
+        if _deferring:  # a model built in scope, called before the scope ended
+            _place_all_pending()
+    else:
         if _compiles is False:  # this torch cannot run compiled code in replicas
             if torch_internals.dynamo_tracing():
                 _refuse_nested_compile(module)
@@ -1117,12 +1203,28 @@ def _placing_store() -> ParameterStore | None:
     return None if strategy is None else strategy.extended.store
 
 
+def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
+    """``tensor``'s data (and gradient) to ``device``, the object kept, as
+    ``Module.to`` moves parameters."""
+    with torch.no_grad():
+        tensor.data = tensor.data.to(device)
+        if tensor.grad is not None:
+            tensor.grad = tensor.grad.to(device)
+
+
+def _place_all_pending() -> None:
+    for store in list(_deferring):
+        store.place_pending()
+
+
 def _on_parameter(module: torch.nn.Module, name: str, param):
     store = _placing_store()
     if store is None or param is None:
         return None
     placed = param
-    if param.device != store.parameter_device.torch_device:
+    if store.defers(param):
+        store.defer(param)
+    elif param.device != store.parameter_device.torch_device:
         placed = torch.nn.Parameter(store.place(param.detach()), requires_grad=param.requires_grad)
     store.adopt(module)
     store.register_tensor(placed)
@@ -1136,6 +1238,9 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer):
         return None
     store.adopt(module)
     sync_batch_norm.install(module)
+    if store.defers(buffer):
+        store.defer(buffer)
+        return None
     placed = store.place(buffer)
     return placed if placed is not buffer else None
 
@@ -1183,6 +1288,9 @@ class _GlobalHooks:
 
 _hooks = _GlobalHooks()
 _live_stores: "weakref.WeakSet[ParameterStore]" = weakref.WeakSet()
+# the stores holding tensors built on the CPU in scope, not placed yet (a model called in
+# cross-replica context places them first: _module_call)
+_deferring: "weakref.WeakSet[ParameterStore]" = weakref.WeakSet()
 
 
 def serve_while(strategy: object, store: ParameterStore) -> None:

@@ -26,9 +26,11 @@ import torch
 
 from . import torch_internals
 
-__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device"]
+__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device",
+           "destination"]
 
 _CPU = torch.device("cpu")
+_BOOL = torch.bool
 _function_mode_depth = torch_internals.function_mode_depth  # bound: asked on every reduce
 
 
@@ -43,6 +45,20 @@ def current_device() -> torch.device:
     if _function_mode_depth() == 0:
         return _CPU
     return torch_internals.default_device()
+
+
+def destination(values: Sequence[Any], device: torch.device) -> torch.device:
+    """Where ``strategy.reduce``/``gather`` put their result: ``device`` (the current
+    device), except that with the CPU there, values on an accelerator stay on one (the
+    first replica's in replica order that is on one). Copying a GPU loss to the host
+    would wait for the GPU on every step, which a plain loop's ``loss.detach()`` does not
+    (a deviation from TF, which copies to CPU:0: docs/tf-parity.md)."""
+    if device is not _CPU and device.type != "cpu":
+        return device
+    for value in values:
+        if type(value) is torch.Tensor and not value.is_cpu:
+            return value.device
+    return device
 
 
 def _to(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -132,25 +148,38 @@ def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _sum_elementwise(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The replicas' tensors added in replica order, checked as it goes (every step
+    reduces its loss here: one pass, the checks' messages only when one fails)."""
+    total = tensors[0]
+    shape = total.shape
+    good = total.dtype is not _BOOL
+    for t in tensors[1:]:
+        if not good or t.shape != shape or t.dtype is _BOOL:
+            good = False
+            break
+        total = total + t
+    if good:
+        return total
+    _refuse_booleans(tensors)
+    listed = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
+    raise ValueError(
+        f"cannot reduce across replicas with axis=None: the shapes differ ({listed}); "
+        "pass axis=0 to reduce along the batch dimension as well")
+
+
 def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,
                   device: torch.device | None) -> torch.Tensor:
     """Reduce one value per replica into a tensor on ``device`` (None: leave in place)."""
     # inlined for the usual case, CPU tensors reduced onto the CPU (a step's hot path)
     tensors = [v if device is _CPU and type(v) is torch.Tensor and v.is_cpu
                else _to(as_tensor(v), device) for v in values]
-    _refuse_booleans(tensors)
     if axis is None:
-        shape = tensors[0].shape
-        if not all([t.shape == shape for t in tensors[1:]]):  # a list: cheaper than a generator
-            listed = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
-            raise ValueError(
-                f"cannot reduce across replicas with axis=None: the shapes differ ({listed}); "
-                "pass axis=0 to reduce along the batch dimension as well"
-            )
-        total = _sum_in_order(tensors)
+        total = _sum_elementwise(tensors)
         if op is ReduceOp.MEAN:
             return total.to(_mean_dtype(total.dtype)) / len(tensors)
         return total
+    _refuse_booleans(tensors)
     dims = [_check_axis(t, axis, i) for i, t in enumerate(tensors)]
     partial = [_sum_along(t, d) for t, d in zip(tensors, dims)]
     shape = partial[0].shape

@@ -185,8 +185,9 @@ class ReplicaRun:
         self.durations: list = [0.0] * num_replicas  # seconds each replica's body took
         self.status = ["new"] * num_replicas
         # Captured now: a replica may reach a rendezvous inside no_grad, and the workers
-        # started then must still see the caller's settings of when run began.
-        self.thread_state = _ThreadState.capture()
+        # started then must still see the caller's settings of when run began. One
+        # replica never leaves the caller's thread.
+        self.thread_state = _ThreadState.capture() if num_replicas > 1 else None
 
     @property
     def cond(self) -> threading.Condition:
@@ -495,6 +496,10 @@ class ReplicaRun:
         self.cond.notify_all()
 
 
+# before_run's snapshot when the last run's end stands for this run's start
+_SINCE_LAST = b"since the last run"
+
+
 class ExecutionPolicy:
     """Ordered or concurrent, run by run, for one strategy.
 
@@ -524,6 +529,7 @@ class ExecutionPolicy:
 
     CONCURRENT_FROM = 250e-6  # seconds of work per replica
     ORDERED_BELOW = 80e-6
+    QUIET_RUNS = 2  # runs with no draw between them before the watch reads once a run
 
     def __init__(self, devices: list, mode: str):
         self.mode = mode
@@ -537,6 +543,8 @@ class ExecutionPolicy:
         self._random = None  # each CPU replica's own random stream
         self._armed = True   # streams entered; off once a run shows the replicas never draw
         self._trial = True   # the next finished run decides whether they draw
+        self._last_state = None  # the global generator's state as the last run ended
+        self._quiet = 0  # watched runs in a row that nothing drew before (_since_last)
         if len(self._cpu) > 1:
             self._seed = RunSeed()
             self._random = [ReplicaRandom(i, self._seed) if i in self._cpu else None
@@ -547,6 +555,10 @@ class ExecutionPolicy:
             self.state = "probe"  # ordered while timings and random draws are watched
         else:
             self.state = "concurrent"
+        # Nothing to decide, watch or split run by run (one replica, GPUs, a GPU and one
+        # CPU): the run asks the policy nothing
+        self.fixed = (self._random is None and not self._shared_cpu
+                      and self.threads() is None)
 
     @property
     def concurrent(self) -> bool:
@@ -590,13 +602,25 @@ class ExecutionPolicy:
                 stream.start(diagnose)
         return streams
 
+    def start(self) -> tuple:
+        """What the next run needs, in one call (every run asks): each replica's
+        intra-op threads, random streams and OpenMP team, and :meth:`before_run`'s
+        snapshot for :meth:`after_run`."""
+        random = self.random()  # before before_run: it resets the run's seed
+        team = self.team() if self.state == "concurrent" else None
+        return self.threads(), random, team, self.before_run()
+
     def before_run(self) -> bytes | None:
         """A snapshot of the CPU generator when this run could change the decision: the
         probe, concurrent runs, and ordered runs whose work nears the threshold (so a
         switch to concurrent always follows a watched run that drew nothing). Quick
         replicas are not watched: the snapshot costs more than their whole run. Disarmed
-        streams watch every run, in every mode: does the model start drawing?"""
+        streams watch every run, in every mode: does the model start drawing? (Once a
+        run while nothing draws between runs: :meth:`_since_last`.)"""
         if self._random is not None and not self._armed:
+            if (self._quiet >= self.QUIET_RUNS and self.state == "ordered"
+                    and self._last_state is not None):
+                return _SINCE_LAST
             return global_state()
         if not self._shared_cpu or self._draws:
             return None
@@ -610,6 +634,8 @@ class ExecutionPolicy:
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
         # one read of the global state serves both checks (~5 µs each on an empty run)
         now = global_state() if snapshot is not None else None
+        snapshot = self._since_last(snapshot, now)
+        self._last_state = now
         if self._random is not None and self._settle_streams(snapshot, now):
             return
         if not self._shared_cpu:
@@ -630,6 +656,23 @@ class ExecutionPolicy:
                 self.state = "concurrent"
         elif self._work < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"
+
+    def _since_last(self, snapshot, now: bytes | None):
+        """The global state before this run. While replicas run in order and nothing
+        drew between the last runs (``QUIET_RUNS`` in a row), a disarmed watch takes it
+        to be the state the last run ended with, and reads the generator once a run, not
+        twice (~5 µs of an empty run). Found moved, the move is not judged (the user's
+        code between the runs may have drawn): the watch reads both ends again from the
+        next run, which sees a replica that draws. In order, replicas drawing from the
+        global generator one run longer still repeat bit for bit; concurrent runs read
+        both ends every run."""
+        if snapshot is not _SINCE_LAST:
+            if snapshot is not None and self._random is not None and not self._armed:
+                self._quiet = self._quiet + 1 if snapshot == self._last_state else 0
+            return snapshot
+        if now != self._last_state:
+            self._quiet = 0
+        return now  # unmoved (as good as the last state, and compared by identity) or not judged
 
     def _settle_streams(self, snapshot: bytes | None, now: bytes | None) -> bool:
         """Streams off after a first run whose replicas drew nothing; back on when a

@@ -28,7 +28,8 @@ from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder,
                     InputOptions, TensorSliceDataset, ValueContext, place_values)
 from .buckets import DEFAULT_BYTES_PER_PACK
 from .parameters import ParameterStore, eager_if_uncompilable, serve_while
-from .reduce import ReduceOp, as_tensor, current_device, gather_values, reduce_values
+from .reduce import (ReduceOp, as_tensor, current_device, destination, gather_values,
+                     reduce_values)
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
                      regroup, unstack)
@@ -108,6 +109,8 @@ class _Scope:
     def __exit__(self, *exc) -> None:
         context.pop(self._entry)
         self._entry = None
+        # what was built on the CPU in scope goes to the parameter device now
+        self._strategy.extended.store.place_pending()
 
 
 def _check_not_mixing(current: Entry, strategy: "Strategy") -> None:
@@ -180,7 +183,8 @@ class Strategy:
         entry = context.current_entry()
         if entry.replica is not None:
             cross_replica_required("run")
-        _check_not_mixing(entry, self)
+        if entry.strategy is not None and entry.strategy is not self:
+            _check_not_mixing(entry, self)
         return self._extended.call_for_each_replica(fn, args, kwargs)
 
     def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
@@ -198,37 +202,40 @@ class Strategy:
         """Reduce ``value`` across replicas (and along ``axis`` when given).
 
         The result goes to the current default device (``torch.get_default_device()``,
-        the CPU unless set), TF's "current device". Nests are reduced leaf by leaf.
+        the CPU unless set), TF's "current device"; with the CPU there, values on a GPU
+        stay on the GPU (the first replica's that is on one), so reducing a GPU loss
+        does not wait for the GPU. Nests are reduced leaf by leaf.
         """
         require_cross_replica_or_default(self, "reduce")
         op = ReduceOp.resolve(reduce_op)
         device = current_device()
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
-            return reduce_values(op, value.values, axis, device)
+            values = value.values
+            return reduce_values(op, values, axis, destination(values, device))
         return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
             if isinstance(value, (tuple, list, dict)) else \
             self._reduce_leaf(op, value, axis, device)
 
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None, device) -> Any:
         if isinstance(value, DistributedValues):
-            return reduce_values(op, value.values, axis, device)
+            return reduce_values(op, value.values, axis, destination(value.values, device))
         replicas = self._extended.num_local_replicas
         if axis is None:
             _check_not_ambiguous(op, value, replicas)
             return value
         tensor = as_tensor(value.value() if isinstance(value, Variable) else value)
-        return reduce_values(op, [tensor] * replicas, axis, device)
+        return reduce_values(op, [tensor] * replicas, axis, destination([tensor], device))
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate the replicas' components along ``axis`` on the current device."""
+        """Concatenate the replicas' components along ``axis`` on the current device
+        (values on a GPU stay there, as in :meth:`reduce`)."""
         require_cross_replica_or_default(
             self, "gather", "use get_replica_context().all_gather() instead")
         device = current_device()
 
         def leaf(v):
-            if isinstance(v, DistributedValues):
-                return gather_values(v.values, axis, device)
-            return gather_values([v], axis, device)
+            values = v.values if isinstance(v, DistributedValues) else [v]
+            return gather_values(values, axis, destination(values, device))
         return map_structure(leaf, value)
 
     def experimental_local_results(self, value: Any) -> tuple:
@@ -504,13 +511,15 @@ class ParameterServerStrategyExtended:
             if not isinstance(args, (tuple, list)):
                 raise TypeError(f"args must be a tuple, got {type(args).__name__}")
             args = tuple(args)
-        self._enter_run()
+        if not self._run_lock.acquire(False):
+            self._refuse_nested()
         try:
             count = self._num_local_replicas
             outputs = self._call(fn, unstack(args, count),
                                  unstack(kwargs, count) if kwargs else None)
-            self._store.watch_outputs(outputs)  # after the run is done: it cannot undo it
-            return regroup(outputs)
+            if not self._store.direct:  # after the run is done: it cannot undo it
+                self._store.watch_outputs(outputs)
+            return outputs[0] if count == 1 else regroup(outputs)
         finally:
             self._run_lock.release()
 
@@ -542,41 +551,50 @@ class ParameterServerStrategyExtended:
     def _enter_run(self) -> None:
         """Take the run lock (its caller releases it), or refuse a nested run."""
         if not self._run_lock.acquire(False):
-            raise RuntimeError("strategy.run cannot be nested: this strategy is already "
-                               "running (e.g. run called inside merge_call's merge_fn)")
+            self._refuse_nested()
+
+    @staticmethod
+    def _refuse_nested() -> None:
+        raise RuntimeError("strategy.run cannot be nested: this strategy is already "
+                           "running (e.g. run called inside merge_call's merge_fn)")
 
     def _call(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
               reads: bool = True) -> list:
         # The hot path of every step: an empty run's cost is all Python bookkeeping here.
-        count = self._num_local_replicas
-        servings = self._store.begin_run(reads)
+        count, store, policy = self._num_local_replicas, self._store, self._policy
+        servings = store.begin_run(reads)
         fn = eager_if_uncompilable(fn)  # (where this torch cannot compile in replicas)
-        policy = self._policy
-        streams = self._replica_streams()
+        streams = self._replica_streams() if self._has_gpu else None
         body = self._replica_body(fn, replica_args, replica_kwargs, streams)
         timing = self._balancer.begin_run(streams) if self._balanced else None
         if timing is not None:
             body = timing.wrap(body)
-        run = ReplicaRun(count, policy.concurrent, body, self._executor, policy.threads(),
-                         servings, self._collectives_for, policy.random(), policy.team())
+        if policy.fixed:  # one replica, or devices of their own: nothing to decide
+            run = ReplicaRun(count, policy.concurrent, body, self._executor, None, servings,
+                             self._collectives_for)
+            snapshot = None
+        else:
+            threads, random, team, snapshot = policy.start()
+            run = ReplicaRun(count, policy.concurrent, body, self._executor, threads,
+                             servings, self._collectives_for, random, team)
         if streams is not None:
             self._start_streams(streams)
-        snapshot = policy.before_run()
         self._current_run = run
         try:
             outputs = run.execute()
             if streams is not None:
                 self._join_streams(streams)
-            self._store.finish_run(servings, reads)
+            store.finish_run(servings, reads)
         except BaseException:
-            self._store.discard_run(servings)
+            store.discard_run(servings)
             if timing is not None:
                 self._balancer.discard_run()
             raise
         finally:
             self._current_run = None
             run.release()
-        policy.after_run(snapshot, run.durations)
+        if not policy.fixed:
+            policy.after_run(snapshot, run.durations)
         if timing is not None:
             self._balancer.end_run(timing, replica_args, replica_kwargs)
         return outputs
@@ -597,11 +615,11 @@ class ParameterServerStrategyExtended:
             context.push(entry)
             try:
                 a = replica_args[replica_id]
-                k = replica_kwargs[replica_id] if replica_kwargs is not None else {}
+                k = replica_kwargs[replica_id] if replica_kwargs is not None else None
                 if streams is not None and streams[replica_id] is not None:
                     device = self._compute[replica_id].torch_device
                     with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
-                        return fn(*a, **k)
+                        return fn(*a, **k) if k else fn(*a)
                 return fn(*a, **k) if k else fn(*a)
             except ReplicaAborted:
                 raise

@@ -68,12 +68,10 @@ def synchronized_batch_norm(module: torch.nn.Module, input: torch.Tensor,
     shape = [1, channels] + [1] * (input.dim() - 2)
     compute = input if input.dtype in (torch.float32, torch.float64) else input.float()
     local_count = compute.numel() // channels if channels else 0
-    count = compute.new_tensor([local_count])
+    # made on the device, not copied there from the host
+    count = torch.full((1,), local_count, dtype=compute.dtype, device=compute.device)
     total = replica.all_reduce(ReduceOp.SUM, torch.cat([compute.sum(dims), count]))
-    n = float(total[-1].detach())
-    if n <= 1:
-        raise ValueError(f"BatchNorm needs more than 1 value per channel when training, "
-                         f"got a global batch of {int(n)} over all replicas")
+    n = _global_count(total, local_count)
     mean = total[:channels] / n
     centered = compute - mean.view(shape)
     var = replica.all_reduce(ReduceOp.SUM, (centered * centered).sum(dims)) / n
@@ -86,3 +84,18 @@ def synchronized_batch_norm(module: torch.nn.Module, input: torch.Tensor,
             module.running_mean.mul_(1 - factor).add_(mean.detach() * factor)
             module.running_var.mul_(1 - factor).add_(var.detach() * (n / (n - 1)) * factor)
     return output.to(input.dtype)
+
+
+def _global_count(total: torch.Tensor, local_count: int):
+    """The global batch's values per channel: the reduced tensor's last entry, left on
+    the device (reading it would wait for the device every layer of every step). A
+    replica with 2 or more values knows the global count is too; one with fewer reads
+    it, to refuse a global batch of 1, as torch's BatchNorm does."""
+    n = total[-1].detach()
+    if local_count > 1:
+        return n
+    value = float(n)
+    if value <= 1:
+        raise ValueError(f"BatchNorm needs more than 1 value per channel when training, "
+                         f"got a global batch of {int(value)} over all replicas")
+    return value

@@ -32,9 +32,13 @@ def test_quick_benchmark_writes_table_and_json(tmp_path):
     assert result["input_path_R2"]["csrun"]["examples_per_s"] > 0
     # two rounds cannot give a 95% interval: every target says so instead of a verdict
     judged = {t["what"]: t for t in result["targets"]}
+    best = {"engine overhead R1, best of 2 rounds (µs per step)",
+            "engine overhead R2, best of 2 rounds (µs per step)"}
     assert set(judged) == {"mlp csrun_R1 / plain", "mlp csrun_R2 / plain",
-                           "engine overhead R2 (µs per step)"}
-    assert all(t["ci95"] is None and t["verdict"] == "too few rounds" for t in judged.values())
+                           "engine overhead R2 (µs per step)"} | best
+    assert all(t["ci95"] is None and t["verdict"] == "too few rounds"
+               for what, t in judged.items() if what not in best)
+    assert all(judged[what]["verdict"] in ("met", "missed") for what in best)
     assert len(result["engine_overhead_rounds_us"]["R2"]) == 2
     assert "target mlp csrun_R2 / plain >= 0.95" in done.stdout
     assert "TensorFlow's CentralStorageStrategy" in done.stdout
