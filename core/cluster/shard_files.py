@@ -24,6 +24,8 @@ import struct
 
 import torch
 
+from ..config import strict_json
+
 __all__ = ["write_file", "ShardFile", "ShardFileError"]
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -117,7 +119,7 @@ class ShardFile:
             raise ShardFileError(f"checkpoint file {str(path)!r} is not a valid "
                                  f"safetensors file: {exc}") from None
         self.keys = set(self._file.keys())
-        self.metadata = json.loads((self._file.metadata() or {}).get("csrun", "{}"))
+        self.metadata = strict_json.loads((self._file.metadata() or {}).get("csrun", "{}"))
 
     def __enter__(self) -> "ShardFile":
         return self

@@ -57,6 +57,11 @@ EXTREMES: dict[str, tuple[tuple[str, ...], str, str]] = {
         REFUSED, "strategy.variable_partitioner"),
     "ParameterServerConfig.timeout_s": (PS + ("strategy.timeout_s=1e308",), REFUSED,
                                         "strategy.timeout_s"),
+    # one bucket holds everything: the old one-copy path (on the copy path it runs)
+    "CentralStorageConfig.bytes_per_pack": (("strategy.copy_parameters=true",
+                                             f"strategy.bytes_per_pack={BIG}"), RUNS, ""),
+    "ParameterServerConfig.bytes_per_pack": (PS + (f"strategy.bytes_per_pack={BIG}",),
+                                             VALID, ""),
     "RangeSource.start": (RANGE + (f"dataset.source={{kind: range, start: {-BIG - 1}, "
                                    f"stop: {-BIG + 99}}}",), REFUSED,
                           "dataset.source.start"),
