@@ -426,6 +426,13 @@ class ParameterServerStrategyExtended:
         self._policy = ExecutionPolicy(compute, self.options.execution)
         self._streams = None
         self._has_gpu = any(d.is_gpu for d in compute)  # checked on every run
+        # Where replicas' all-reduces and all-gathers combine: the parameter device, but
+        # GPU replicas of CPU parameters combine on the first GPU (a combination on the
+        # host would wait for every GPU at each synchronized BatchNorm; the arithmetic,
+        # in replica order, gives the same bits on either)
+        self._collective_device = compute[0].torch_device if (
+            parameter.torch_device.type == "cpu" and all(d.is_gpu for d in compute)) \
+            else parameter.torch_device
         self._balancer = BatchBalancer(self.options.batch_split, compute)
         self._balanced = self._balancer.balanced  # checked on every run
         self._run_lock = threading.Lock()
@@ -601,7 +608,7 @@ class ParameterServerStrategyExtended:
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:
         return Collectives(run, self._container, self._store.torch_devices,
-                           self._parameter.torch_device, self._streams,
+                           self._collective_device, self._streams,
                            self._balancer.active)
 
     def _replica_body(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
