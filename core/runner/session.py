@@ -288,20 +288,21 @@ class Session:
             check_finite(read, self.state.step, self.devices, self.checkpoint_note)
             self.state.add_loss(read.loss, read.replicas)
 
-    def _update(self) -> float | None:
+    def _update(self) -> torch.Tensor | None:
         """Unscale (fp16), clip (``train.grad_clip_norm``), step, schedule; returns the
-        gradient norm before clipping (None without clipping)."""
+        gradient norm before clipping (None without clipping), unread: only a
+        ``--metrics`` record reads it."""
         self.precision.unscale(self.optimizer)
         clip, norm = self.config.train.grad_clip_norm, None
         if clip is not None:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
         self.precision.step(self.optimizer)
         self.schedule_steps.after_update()
         return norm
 
     def _record(self, per_replica: Sequence[dict], correct: Any, phases: dict, batches: int,
-                grad_norm: float | None = None) -> None:
+                grad_norm: torch.Tensor | None = None) -> None:
         """After a step: the state, its record and events, a log, an evaluation and a
         checkpoint when they are due."""
         state, train = self.state, self.config.train
@@ -334,7 +335,7 @@ class Session:
             self.save()
 
     def _write_record(self, per_replica: Sequence[dict], loss: float | None, seconds: list,
-                      phases: dict, grad_norm: float | None) -> None:
+                      phases: dict, grad_norm: torch.Tensor | None) -> None:
         """The step's ``--metrics`` / TensorBoard record."""
         examples = sum(s["examples"] for s in per_replica)
         correct = self.state.count_correct()
@@ -343,7 +344,7 @@ class Session:
                   "examples": examples, "learning_rate": self._lr(),
                   "step_time_s": seconds, "phases_s": phases}
         if grad_norm is not None:
-            record["grad_norm"] = grad_norm  # before clipping
+            record["grad_norm"] = float(grad_norm)  # before clipping
         self.sinks.write(record)
 
     def _lr(self) -> float:

@@ -19,14 +19,22 @@ TEXT = tiny_config("dataset.source.examples=4000", "model.dropout=0", "train.eva
 
 
 def _reads(steps: int, log_every: int, *overrides: str) -> tuple[int, object]:
-    """The values the run's thread read (item/float, and the stacks read with .tolist,
-    which no op shows), and the result."""
+    """The values the run's thread read: one-value reads (item, float) and the reads of
+    held losses (a stack read with .tolist, which no op shows); and the result."""
     config = load_config_text(TEXT, "tiny.yaml", [f"train.steps={steps}",
                                                   f"train.log_every={log_every}", *overrides])
-    count = OpCount()
-    with count.counting():  # the caller's thread: where the runner reads
-        result = train(config, on_event=lambda e: None)
-    return count.ops["_local_scalar_dense"] + count.ops["item"] + count.ops["stack"], result
+    count, batches, read_all = OpCount(), [], step_losses._read_all
+
+    def counted(tensors):
+        batches.append(len(tensors))
+        return read_all(tensors)
+    step_losses._read_all = counted
+    try:
+        with count.counting():  # the caller's thread: where the runner reads
+            result = train(config, on_event=lambda e: None)
+    finally:
+        step_losses._read_all = read_all
+    return count.ops["_local_scalar_dense"] + count.ops["item"] + len(batches), result
 
 
 @pytest.fixture
@@ -40,6 +48,12 @@ def test_a_loss_the_host_waits_for_is_read_per_log_not_per_step(on_a_gpu):
     many, long = _reads(18, 18)  # 12 steps more, as many logs: not one read more
     assert many - few <= 2, (few, many)
     assert len(long.losses) == 18 and all(isinstance(x, float) for x in long.losses)
+
+
+def test_clipping_reads_no_gradient_norm_each_step(on_a_gpu):
+    few, _ = _reads(6, 6, "train.grad_clip_norm=1.0")
+    many, _ = _reads(18, 18, "train.grad_clip_norm=1.0")
+    assert many - few <= 2, (few, many)  # the norm is read by a --metrics record only
 
 
 def test_read_late_the_losses_are_those_read_each_step(on_a_gpu, monkeypatch):
