@@ -46,6 +46,7 @@ import csrun.core as cs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
 from targets import GPU_REPLICA_TARGET, median_interval, verdict  # noqa: E402
+import offload  # noqa: E402  (its GPU section: parameters and Adam on the CPU)
 
 NO_CUDA = ("no CUDA device here: nothing to measure (benchmarks/gpu.py measures csrun on a "
            "GPU; --device cpu runs the same code on tiny models, as a smoke test)")
@@ -383,6 +384,10 @@ def measure(args) -> dict:
     if args.cap_gib is not None:
         print("a model over the memory cap ...", file=sys.stderr, flush=True)
         result["large_model"] = capped_run(args)
+    if device == "cuda" and args.offload:
+        print("parameters on the CPU at PCIe speed (benchmarks/offload.py) ...",
+              file=sys.stderr, flush=True)
+        result["offload"] = offload.offload_section(args.rounds, args.steps)
     result["targets"] = judge(result)
     return result
 
@@ -425,6 +430,12 @@ def report(result: dict) -> str:
     large = result.get("large_model")
     if large:
         lines.append(f"over the cap: {json.dumps(large)}")
+    if result.get("offload"):  # offload.py's table of its GPU section
+        lines.append(offload.report({"torch": result["torch"],
+                                     "cpu_threads": torch.get_num_threads(),
+                                     "rounds": result["rounds"],
+                                     "steps": result["steps_per_round"],
+                                     "gpu": result["offload"]}))
     for t in result["targets"]:
         ci = t["ci95"]
         interval = "no 95% interval" if ci is None else f"95% CI {ci[0]:.3f}..{ci[1]:.3f}"
@@ -443,6 +454,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cap-gib", type=float, default=6.5,
                         help="GPU memory cap for the model over it (0: skip that part)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/gpu.json"))
+    parser.add_argument("--no-offload", dest="offload", action="store_false",
+                        help="skip benchmarks/offload.py's GPU section (parameters and "
+                        "Adam on the CPU against the PCIe and CPU-Adam bounds)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps")
     parser.add_argument("--large-child", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

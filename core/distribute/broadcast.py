@@ -8,6 +8,12 @@ buffer. Each buffer moves in buckets (:mod:`.buckets`): one coalesced copy per b
 way, the gradients leaving while the backward still runs.
 
 From a CPU parameter device to a GPU the copies go through pinned memory on side streams.
+
+A copy replica's buffers (BatchNorm's running statistics, a user's counters) are per
+replica, as TF's variables written in replica context are: :class:`BufferMirror` keeps
+those it reads in one flat buffer per dtype, filled by one copy at the run's first buffer
+read; after the run, the dtypes holding a written one go to the parameter device in one
+copy each, where the writes are combined (:mod:`.parameters`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from . import torch_internals
 from .buckets import DEFAULT_BYTES_PER_PACK, Bucket, pinned_home, plan, transport_for
 
-__all__ = ["DeviceMirror", "finish_grads"]
+__all__ = ["DeviceMirror", "BufferMirror", "finish_grads"]
 
 _tensor_version = torch_internals.tensor_version  # bound: read on every refresh
 
@@ -56,12 +62,18 @@ class _Group:
             self.version = _tensor_version(self.flat)
 
     def written(self) -> list:
-        """The central tensors whose copies a replica wrote in place since the last copy
-        (one version read when none was: the leaves share the flat buffer's counter)."""
+        """The central tensors whose copies a replica wrote in place since the last copy:
+        none unless the flat buffer's version moved (one read; the leaves share its
+        counter), which only a write to a leaf does. Found by the version alone, so a
+        step never waits for the device to tell; a write that changed no value (an
+        ``Embedding(max_norm=...)`` whose rows were short enough) counts too, as the same
+        code would lose a write another step. The values are compared only to name the
+        tensors, on the way to an error: those that changed, else all of the buffer's."""
         if _tensor_version(self.flat) == self.version:
             return []
-        return [t for t, leaf in zip(self.tensors, self.leaves)
-                if not torch.equal(leaf.detach().to(t.device), t.detach())]
+        changed = [t for t, leaf in zip(self.tensors, self.leaves)
+                   if not torch.equal(leaf.detach().to(t.device), t.detach())]
+        return changed or list(self.tensors)
 
     def start_grads(self, transfers: list) -> None:
         """Each bucket's gradients into ``transfers``, numbered in the order they left
@@ -214,3 +226,103 @@ def finish_grads(transfers: list) -> tuple[list, list]:
             centrals.append(tensor)
             grads.append(flat[offset:offset + tensor.numel()].view(tensor.shape))
     return centrals, grads
+
+
+class _BufferGroup:
+    """The buffers of one dtype: their central tensors, one flat copy on the replica
+    device, and an alias of each slot with a version counter of its own (views would
+    share the flat's: a write to one would look like a write to all)."""
+
+    __slots__ = ("centrals", "flat", "aliases")
+
+    def __init__(self, centrals: list, device: torch.device):
+        self.centrals = centrals
+        total = sum(t.numel() for t in centrals)
+        self.flat = torch.empty(total, dtype=centrals[0].dtype, device=device)
+        storage, offset = self.flat.untyped_storage(), 0
+        self.aliases = []
+        for central in centrals:
+            alias = self.flat.new_empty(0).set_(storage, offset, central.shape)
+            self.aliases.append(alias)
+            offset += central.numel()
+
+    def copy_in(self, transport) -> None:
+        transport.buffers_in([t.detach().reshape(-1) for t in self.centrals], self.flat)
+
+
+class BufferMirror:
+    """A copy replica's buffers on its device: one flat buffer per dtype, one copy in per
+    dtype a run (at its first buffer read), one copy out per dtype holding a written one.
+
+    The layout holds the central buffers this replica read: a buffer read for the first
+    time (or replaced since, or resized) is copied by itself in that run and joins the
+    layout for the next (:meth:`new_run`), so the steady state copies once per dtype."""
+
+    def __init__(self, device: torch.device, param_device: torch.device):
+        self.device = device
+        self._transport = transport_for(device, param_device)
+        self._groups: list[_BufferGroup] = []
+        self._slot: dict = {}  # id(central) -> (central, its alias, its group)
+        self._missing: list = []  # read this run, not in the layout: in it next run
+        self._read: set = set()  # ids of the layout's buffers read this run
+        self._copied = False  # this run's copy in is done
+
+    def new_run(self) -> None:
+        """A run begins: copy in again at its first read. Buffers missing from the layout
+        last run join it; those the last run did not read leave it then (a buffer
+        replaced every step must not grow it)."""
+        self._copied = False
+        if self._missing:
+            self._build()
+        self._read = set()
+
+    def _build(self) -> None:
+        centrals = [c for key, (c, _, _) in self._slot.items() if key in self._read]
+        centrals += self._missing
+        self._missing = []
+        seen, by_dtype = set(), {}
+        for central in centrals:
+            if id(central) not in seen:
+                seen.add(id(central))
+                by_dtype.setdefault(central.dtype, []).append(central)
+        with torch.no_grad(), torch.inference_mode(False):
+            self._groups = [_BufferGroup(ts, self.device) for ts in by_dtype.values()]
+        self._slot = {id(c): (c, alias, group) for group in self._groups
+                      for c, alias in zip(group.centrals, group.aliases)}
+
+    def serve(self, central: torch.Tensor) -> torch.Tensor | None:
+        """This replica's copy of the buffer ``central`` for this run, or None when the
+        layout lacks it (the caller copies it alone; it is in the layout next run).
+        Never an inference tensor, even inside ``torch.inference_mode``: those keep no
+        version, which tells whether the replica wrote its copy."""
+        entry = self._slot.get(id(central))
+        if entry is None or entry[0] is not central or entry[1].shape != central.shape \
+                or entry[1].dtype != central.dtype:
+            self._missing.append(central)
+            return None
+        self._read.add(id(central))
+        if not self._copied:
+            self._copied = True
+            with torch.no_grad(), torch.inference_mode(False):
+                for group in self._groups:
+                    group.copy_in(self._transport)
+        return entry[1]
+
+    def send(self, written: list) -> tuple[dict, list]:
+        """The written copies among ``written`` (this replica's, any tensors) on the
+        parameter device: ``{id(copy): tensor there}`` for those this mirror holds, one
+        copy per dtype holding one; and the events to wait for before reading them."""
+        ids = {id(t) for t in written if t is not None}
+        arrived, events = {}, []
+        for group in self._groups:
+            if not any(id(alias) in ids for alias in group.aliases):
+                continue
+            with torch.no_grad():
+                flat, event = self._transport.buffers_out(group.flat)
+            if event is not None:
+                events.append(event)
+            offset = 0
+            for alias in group.aliases:
+                arrived[id(alias)] = flat[offset:offset + alias.numel()].view(alias.shape)
+                offset += alias.numel()
+        return arrived, events

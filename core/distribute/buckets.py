@@ -113,6 +113,17 @@ class _SameDevice:
     def send(self, grads: list):
         return torch.cat([g.reshape(-1) for g in grads]), None
 
+    # -- a mirror's buffers (:class:`.broadcast.BufferMirror`): on the replica's stream --
+    def buffers_in(self, sources: list, flat: torch.Tensor) -> None:
+        """Copy central buffers (flat, one dtype) into a replica's ``flat``."""
+        torch.cat(sources, out=flat)
+
+    def buffers_out(self, flat: torch.Tensor):
+        """A replica's written buffers (``flat``) on the parameter device, and the event
+        that says they are there (None: they are). Same device: ``flat`` itself, read
+        where it is (the replica is done with it)."""
+        return flat, None
+
 
 class _CrossDevice(_SameDevice):
     """Two devices without a pinned path (GPU to GPU, a CPU replica of GPU parameters):
@@ -127,6 +138,12 @@ class _CrossDevice(_SameDevice):
 
     def send(self, grads: list):
         return torch.cat([g.reshape(-1) for g in grads]).to(self.param_device), None
+
+    def buffers_in(self, sources: list, flat: torch.Tensor) -> None:
+        flat.copy_(torch.cat(sources))
+
+    def buffers_out(self, flat: torch.Tensor):
+        return flat.to(self.param_device), None
 
 
 class _Offload(_SameDevice):
@@ -174,6 +191,22 @@ class _Offload(_SameDevice):
             landed.record(stream)
         for grad in grads:  # read on the side stream: not reused before the copy is done
             grad.record_stream(stream)
+        return host, landed
+
+    def buffers_in(self, sources: list, flat: torch.Tensor) -> None:
+        # through fresh pinned memory (the caching host allocator keeps a block until
+        # the copies that read it are done): a copy from pageable memory waits the host
+        staging = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        torch.cat(sources, out=staging)
+        flat.copy_(staging, non_blocking=True)
+
+    def buffers_out(self, flat: torch.Tensor):
+        # on the replica's device's current stream, after the replica's writes; landed
+        # (waited for) only when the central buffers are next read
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(self.device))
         return host, landed
 
 

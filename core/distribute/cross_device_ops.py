@@ -22,6 +22,12 @@ from .values import flatten, map_structure, regroup, select_replica
 __all__ = ["Collectives"]
 
 
+def _wait(stream, other) -> None:
+    """``stream`` waits (on the device) for the work queued on ``other`` so far."""
+    if stream != other:
+        stream.wait_stream(other)
+
+
 def _rebuild_like(value: Any, leaves: list) -> Any:
     it = iter(leaves)
     return map_structure(lambda _: next(it), value)
@@ -63,18 +69,45 @@ class Collectives:
         finally:
             timing.depart(replica_id)
 
-    def _settle(self) -> None:
-        """Wait for every GPU replica's queued work (and ours): a merge reads tensors made on
-        other replicas' streams and hands back tensors they will read on theirs. A host
-        wait is the simple, safe order; collectives are synchronizing points anyway."""
-        if self._streams is None:
+    def _await_replicas(self) -> None:
+        """Order the merge after every GPU replica's queued work without the host
+        waiting (a host wait would stall every replica at every synchronized BatchNorm).
+        On the merging thread, each replica device's current stream waits for that
+        replica's stream, and the reduce device's for every replica's: torch's copies
+        between devices wait for both devices' current streams, so whatever the merge
+        reads or writes there comes after what the replicas queued."""
+        streams = self._streams
+        if streams is None:
             return
-        for stream in self._streams:
-            if stream is not None:
-                stream.synchronize()
-        for device in {d for d in self._devices if d.type == "cuda"} | (
-                {self._reduce_device} if self._reduce_device.type == "cuda" else set()):
-            torch.cuda.current_stream(device).synchronize()
+        reduce = self._reduce_device if self._reduce_device.type == "cuda" else None
+        for device, stream in zip(self._devices, streams):
+            if stream is None:
+                continue
+            _wait(torch.cuda.current_stream(device), stream)
+            if reduce is not None and reduce != device:
+                _wait(torch.cuda.current_stream(reduce), stream)
+
+    def _hand_back(self, per_replica: list) -> None:
+        """Each GPU replica's stream waits for the merge's work on its device and on the
+        reduce device, and each of its results made on another stream is marked used by
+        it (the caching allocator must not hand that memory out while the replica still
+        reads it)."""
+        streams = self._streams
+        if streams is None:
+            return
+        reduce = self._reduce_device if self._reduce_device.type == "cuda" else None
+        for device, stream, results in zip(self._devices, streams, per_replica):
+            if stream is None:
+                continue
+            if reduce is not None and reduce != device:
+                _wait(stream, torch.cuda.current_stream(reduce))
+            current = torch.cuda.current_stream(device)
+            if current == stream:
+                continue
+            stream.wait_stream(current)
+            for leaf in flatten(results):
+                if isinstance(leaf, torch.Tensor) and leaf.device == device:
+                    leaf.record_stream(stream)
 
     # -- helpers -------------------------------------------------------------------------
     def _invalidate_copies(self, by_user: bool = True) -> None:
@@ -99,13 +132,13 @@ class Collectives:
         if len(counts) > 1:
             raise ValueError(f"{kind}: replicas passed nests with different numbers of "
                              f"tensors ({[len(p) for p in payloads]})")
-        self._settle()
+        self._await_replicas()
         per_replica = [[] for _ in payloads]
         for position in range(len(payloads[0])):
             combined = combine([p[position] for p in payloads])
             for replica_id, copy in enumerate(self._spread(combined)):
                 per_replica[replica_id].append(copy)
-        self._settle()
+        self._hand_back(per_replica)
         return per_replica
 
     # -- all_reduce ----------------------------------------------------------------------
@@ -155,7 +188,7 @@ class Collectives:
             merged_kwargs = regroup([p[1] for p in payloads])
             entry = context.Entry(strategy)
             context.push(entry)
-            self._settle()
+            self._await_replicas()
             # The replicas' gradients so far, summed into .grad: merge_fn may step the
             # optimizer (TF's apply_gradients in merge_call), and with one replica on the
             # parameter device they are there already
@@ -164,9 +197,10 @@ class Collectives:
                 result = merge_fn(strategy, *merged_args, **merged_kwargs)
             finally:
                 context.pop(entry)
-            self._settle()
             self._invalidate_copies()
-            return [select_replica(r, result) for r in range(len(payloads))]
+            results = [select_replica(r, result) for r in range(len(payloads))]
+            self._hand_back(results)
+            return results
 
         return self._meet(replica_id, "merge_call", (tuple(args), dict(kwargs)), merge)
 
@@ -174,10 +208,10 @@ class Collectives:
                merge: Callable[[list], list]) -> Any:
         """A rendezvous with a caller-defined merge (variable updates use it)."""
         def settled(payloads):
-            self._settle()
+            self._await_replicas()
             results = merge(payloads)
-            self._settle()
             self._invalidate_copies(by_user=False)
+            self._hand_back(results)
             return results
         return self._meet(replica_id, kind, payload, settled)
 

@@ -461,8 +461,16 @@ def place_values(values: list, devices: Sequence[torch.device]) -> list:
     own device (every logical CPU is the host's) it is the very tensor ``value_fn``
     returned.
     """
-    return [map_structure(lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor)
-                          and v.device != d else v, value)
+    copies: dict = {}  # (tensor, device) -> its copy: one copy per device
+
+    def moved(v: Any, d: torch.device) -> Any:
+        if not isinstance(v, torch.Tensor) or v.device == d:
+            return v
+        key = (id(v), d)
+        if key not in copies:
+            copies[key] = (v, v.to(d))  # (v kept: its id is not reused meanwhile)
+        return copies[key][1]
+    return [map_structure(lambda v, d=device: moved(v, d), value)
             for value, device in zip(values, devices)]
 
 
@@ -683,9 +691,13 @@ class DistributedDatasetsFromFunction(_DistributedBase):
                 batches = _take_lockstep(sources)
             else:
                 batches = _take_round(sources[0], num_replicas)
-            for batch in batches:
-                for leaf in flatten(batch):
-                    _leaf_tensor(leaf)
+            batches = list(batches)
+            for i, batch in enumerate(batches):
+                leaves = flatten(batch)
+                if any(_leaf_tensor(leaf) is not leaf for leaf in leaves):
+                    # numpy leaves become tensors, as a TF dataset's elements are: the
+                    # feeder (pinned copies to a GPU) and the replicas see tensors only
+                    batches[i] = map_structure(_leaf_tensor, batch)
             return feeder.place(batches)
         return produce
 

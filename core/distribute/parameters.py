@@ -67,7 +67,7 @@ from torch.nn.parameter import is_lazy
 from torch.optim import optimizer as optim_module
 
 from . import context, offload, sync_batch_norm, torch_internals
-from .broadcast import DeviceMirror, finish_grads
+from .broadcast import BufferMirror, DeviceMirror, finish_grads
 from .buckets import DEFAULT_BYTES_PER_PACK
 from .torch_internals import plain_tensor_dict, set_tensor_dict, tensor_dict, tensor_version
 from .values import flatten
@@ -104,7 +104,12 @@ class ServedDict(dict):
         # answered inline.
         value = dict.__getitem__(self, name)
         serving = context.current_serving()
-        if serving is None or value is None or serving.store is not self.store:
+        if serving is None:
+            if self.store._landing is not None and self.kind == "buffer":
+                self.store.land_buffers()  # the last run's writes, still on their way
+                return dict.__getitem__(self, name)
+            return value
+        if value is None or serving.store is not self.store:
             return value
         if torch.compiler.is_compiling():
             return _compiled_read(serving, self, name, value)
@@ -123,13 +128,20 @@ class ServedDict(dict):
 
     def items(self):
         if context.current_serving() is None:
+            self._landed()
             return dict.items(self)
         return [(name, self[name]) for name in dict.keys(self)]
 
     def values(self):
         if context.current_serving() is None:
+            self._landed()
             return dict.values(self)
         return [self[name] for name in dict.keys(self)]
+
+    def _landed(self) -> None:
+        """A buffer dict read outside replicas: the last run's writes are in it."""
+        if self.store._landing is not None and self.kind == "buffer":
+            self.store.land_buffers()
 
     def __setitem__(self, name: str, value) -> None:
         serving = context.current_serving()
@@ -315,6 +327,29 @@ def _aggregate(central: torch.Tensor, copies: list, aggregation: VariableAggrega
     return mean.to(central.dtype)
 
 
+class _BufferLanding:
+    """A run's written buffers, combined into the central ones once their copies from the
+    replicas have arrived (``events``)."""
+
+    __slots__ = ("store", "writes", "events")
+
+    def __init__(self, store: "ParameterStore", writes: list, events: list):
+        self.store, self.writes, self.events = store, writes, events
+
+    def land(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        with torch.no_grad():
+            for owner, name, central, agg, copies in self.writes:
+                new = _aggregate(central, copies, agg, owner.path(name))
+                if new is central:
+                    continue
+                if central is not None and new.shape == central.shape:
+                    central.copy_(new)
+                else:
+                    dict.__setitem__(owner, name, self.store.place(new))
+
+
 # -- the store --------------------------------------------------------------------------
 class ParameterStore:
     """Everything a strategy keeps about its central parameters and replica copies."""
@@ -344,6 +379,10 @@ class ParameterStore:
         # deleted model does not live on in its replicas' aliases (:meth:`forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
+        self._buffer_mirrors: list = [None] * len(self.compute_devices)
+        # the last run's written buffers, on their way from GPUs (land_buffers)
+        self._landing: _BufferLanding | None = None
+        self._landing_lock = threading.Lock()
         # the most bytes a copy replica moves in one copy (StrategyOptions.bytes_per_pack)
         self.bytes_per_pack = DEFAULT_BYTES_PER_PACK
         # a run's gradients still on their way from GPUs (offload.py)
@@ -451,6 +490,7 @@ class ParameterStore:
         """Give the modules this store adopted their plain dicts and their class's
         BatchNorm forward back (its strategy is gone): those still alive and not adopted
         by another store since live on as plain torch modules, on the parameter device."""
+        self.land_buffers()
         for module in list(self._adopted):
             owned = False
             for kind in _KINDS:
@@ -613,6 +653,8 @@ class ParameterStore:
             _prepare_for_compile()
         if self._pending:
             self.place_pending()
+        if self._landing is not None:
+            self.land_buffers()
         direct = self.direct  # no leaves to flush or serve ahead: the central tensors
         if not direct:
             self.flush_pending()
@@ -813,28 +855,53 @@ class ParameterStore:
         return [c for c, _ in transfers], [g for _, g in transfers]
 
     def _aggregate_buffers(self, servings: list["ReplicaServing"]) -> None:
+        """Combine the buffers the replicas wrote into the central ones. A copy
+        replica's written copies come to the parameter device in one copy per dtype
+        (:meth:`ReplicaServing.send_buffers`); from a GPU to the CPU they land when the
+        central buffers are next read (:meth:`land_buffers`), not now: waiting here would
+        wait for the GPU's whole backward, which the CPU optimizer overlaps."""
         keys: dict = {}
         for serving in servings:
             for key, entry in serving.buffers.items():
                 keys.setdefault(key, entry[3])
         if not keys:
             return
-        with torch.no_grad():
-            for key, owner in keys.items():
-                name = key[1]
-                central = dict.__getitem__(owner, name)
-                copies = [s.written_buffer(key) for s in servings]
-                if all(c is None for c in copies):
-                    continue
-                module = owner.module()
-                agg = get_aggregation(module, name, central)
-                new = _aggregate(central, copies, agg, owner.path(name))
-                if new is central:
-                    continue
-                if central is not None and new.shape == central.shape:
-                    central.copy_(new)
-                else:
-                    dict.__setitem__(owner, name, self.place(new))
+        writes = []  # (owner, name, central, aggregation, each replica's written copy)
+        for key, owner in keys.items():
+            name = key[1]
+            copies = [s.written_buffer(key) for s in servings]
+            if all(c is None for c in copies):
+                continue
+            central = dict.__getitem__(owner, name)
+            agg = get_aggregation(owner.module(), name, central)
+            if agg is VariableAggregation.NONE:  # refused now, not when it lands
+                _aggregate(central, copies, agg, owner.path(name))
+            writes.append((owner, name, central, agg, copies))
+        if not writes:
+            return
+        events = []
+        for r, serving in enumerate(servings):
+            if serving.copies:
+                arrived, waits = serving.send_buffers([w[4][r] for w in writes])
+                events += waits
+                for write in writes:
+                    copy = write[4][r]
+                    if copy is not None:
+                        write[4][r] = arrived.get(id(copy), copy)
+        landing = _BufferLanding(self, writes, events)
+        if events:
+            self._landing = landing
+        else:
+            landing.land()
+
+    def land_buffers(self) -> None:
+        """Combine the buffers written by the last run whose copies were still on their
+        way from a GPU (before the central buffers are read: the next run, or a read of
+        a served buffer dict outside replicas)."""
+        with self._landing_lock:
+            landing, self._landing = self._landing, None
+            if landing is not None:
+                landing.land()
 
     # -- replica views -------------------------------------------------------------------
     def alias(self, replica_id: int, central: torch.Tensor) -> torch.Tensor:
@@ -856,6 +923,14 @@ class ParameterStore:
         cache[id(central)] = (weakref.ref(central), leaf)
         self._follow(central)
         return leaf
+
+    def buffer_mirror(self, replica_id: int) -> BufferMirror:
+        mirror = self._buffer_mirrors[replica_id]
+        if mirror is None:
+            mirror = BufferMirror(self.compute_devices[replica_id].torch_device,
+                                  self._torch_param)
+            self._buffer_mirrors[replica_id] = mirror
+        return mirror
 
     def mirror(self, replica_id: int) -> DeviceMirror:
         mirror = self._mirrors[replica_id]
@@ -893,7 +968,8 @@ class ReplicaServing:
     """What one replica of one run has been served, and what it wrote."""
 
     __slots__ = ("store", "replica_id", "device", "copies", "direct", "params", "ready",
-                 "buffers", "combine", "overrides", "slow", "_mirror", "_stale", "_force")
+                 "buffers", "combine", "overrides", "slow", "_mirror", "_stale", "_force",
+                 "_buffers_mirror")
 
     def __init__(self, store: ParameterStore, replica_id: int):
         self.store = store
@@ -911,6 +987,7 @@ class ReplicaServing:
         self.buffers: dict = {}
         self.combine = False  # a buffer was copied or assigned: combine after the run
         self._mirror = None
+        self._buffers_mirror = None  # a copy replica's BufferMirror, once it read a buffer
         # (id of owner dict, name) -> (tensor, owner dict) put in a parameter's place for a
         # while (torch.func.functional_call swaps them in and back); this replica's only
         self.overrides: dict = {}
@@ -1021,14 +1098,30 @@ class ReplicaServing:
                 # plain loop does: nothing to copy, nothing to combine
                 served = value
             else:
-                # never an inference tensor, even inside torch.inference_mode: those keep
-                # no version, which tells whether the replica wrote its copy
-                with torch.inference_mode(False):
-                    served = value.to(self.device, copy=True)
+                served = self._buffer_mirror().serve(value) if self.copies else None
+                if served is None:  # an alias replica's, or one new to the mirror
+                    # never an inference tensor, even inside torch.inference_mode: those
+                    # keep no version, which tells whether the replica wrote its copy
+                    with torch.inference_mode(False):
+                        served = value.to(self.device, copy=True)
                 self.combine = True
             entry = self.buffers[key] = [served, tensor_version(served),
                                          _written_by_kernel(owner, name), owner]
         return entry[0]
+
+    def _buffer_mirror(self):
+        """This replica's :class:`BufferMirror`, begun for this run on first use."""
+        mirror = self._buffers_mirror
+        if mirror is None:
+            mirror = self._buffers_mirror = self.store.buffer_mirror(self.replica_id)
+            mirror.new_run()
+        return mirror
+
+    def send_buffers(self, written: list) -> tuple[dict, list]:
+        """This replica's written buffer copies on the parameter device (see
+        :meth:`BufferMirror.send`); ``({}, [])`` without a mirror."""
+        mirror = self._buffers_mirror
+        return ({}, []) if mirror is None else mirror.send(written)
 
     def assign(self, owner: ServedDict, name: str, value) -> None:
         if owner.kind == "parameter":

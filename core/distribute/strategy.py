@@ -31,8 +31,8 @@ from .parameters import ParameterStore, eager_if_uncompilable, serve_while
 from .reduce import (ReduceOp, as_tensor, current_device, destination, gather_values,
                      reduce_values)
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
-from .values import (DistributedValues, Mirrored, PerReplica, local_results, map_structure,
-                     regroup, unstack)
+from .values import (DistributedValues, Mirrored, PerReplica, flatten, local_results,
+                     map_structure, regroup, unstack)
 from .variables import Variable
 
 __all__ = ["Strategy", "CentralStorageStrategy", "ParameterServerStrategyExtended",
@@ -426,6 +426,17 @@ class ParameterServerStrategyExtended:
         self._policy = ExecutionPolicy(compute, self.options.execution)
         self._streams = None
         self._has_gpu = any(d.is_gpu for d in compute)  # checked on every run
+        # an argument can be on another replica's device only where the replicas are not
+        # all the host's (logical CPUs): checked on every run
+        self._arg_devices = [d.torch_device for d in compute]
+        self._places_args = any(d.type != "cpu" for d in self._arg_devices)
+        # Where replicas' all-reduces and all-gathers combine: the parameter device, but
+        # GPU replicas of CPU parameters combine on the first GPU (a combination on the
+        # host would wait for every GPU at each synchronized BatchNorm; the arithmetic,
+        # in replica order, gives the same bits on either)
+        self._collective_device = compute[0].torch_device if (
+            parameter.torch_device.type == "cpu" and all(d.is_gpu for d in compute)) \
+            else parameter.torch_device
         self._balancer = BatchBalancer(self.options.batch_split, compute)
         self._balanced = self._balancer.balanced  # checked on every run
         self._run_lock = threading.Lock()
@@ -515,13 +526,37 @@ class ParameterServerStrategyExtended:
             self._refuse_nested()
         try:
             count = self._num_local_replicas
-            outputs = self._call(fn, unstack(args, count),
-                                 unstack(kwargs, count) if kwargs else None)
+            replica_args = unstack(args, count)
+            replica_kwargs = unstack(kwargs, count) if kwargs else None
+            if self._places_args:
+                replica_args, replica_kwargs = self._placed(replica_args, replica_kwargs)
+            outputs = self._call(fn, replica_args, replica_kwargs)
             if not self._store.direct:  # after the run is done: it cannot undo it
                 self._store.watch_outputs(outputs)
             return outputs[0] if count == 1 else regroup(outputs)
         finally:
             self._run_lock.release()
+
+    def _placed(self, replica_args: list, replica_kwargs: list | None) -> tuple:
+        """Each replica's arguments with their tensors on its device: TF's ops read an
+        input from wherever it is (copying it), torch's fail on another device, so a
+        tensor elsewhere is copied now, once per device (a plain tensor passed to every
+        replica, a batch already on a GPU given to a CPU replica)."""
+        devices = self._arg_devices
+        args = place_values(replica_args, devices)
+        kwargs = place_values(replica_kwargs, devices) if replica_kwargs is not None \
+            else None
+        streams = self._replica_streams()
+        if streams is not None:  # a copy made on the caller's stream, read on the replica's
+            for r, stream in enumerate(streams):
+                if stream is None:
+                    continue
+                for new, old in zip(flatten((args[r], kwargs and kwargs[r])),
+                                    flatten((replica_args[r],
+                                             replica_kwargs and replica_kwargs[r]))):
+                    if new is not old and isinstance(new, torch.Tensor):
+                        new.record_stream(stream)
+        return args, kwargs
 
     def call_for_each_replica_split(self, fn: Callable, replica_args: list,
                                     replica_kwargs: list | None = None, *,
@@ -601,7 +636,7 @@ class ParameterServerStrategyExtended:
 
     def _collectives_for(self, run: ReplicaRun) -> Collectives:
         return Collectives(run, self._container, self._store.torch_devices,
-                           self._parameter.torch_device, self._streams,
+                           self._collective_device, self._streams,
                            self._balancer.active)
 
     def _replica_body(self, fn: Callable, replica_args: list, replica_kwargs: list | None,

@@ -39,11 +39,13 @@ class RunStarted(_Event):
 
 @dataclasses.dataclass
 class StepDone(_Event):
-    """One optimizer step finished (for progress bars)."""
+    """One optimizer step finished (for progress bars); ``loss``: the newest step loss
+    read, this step's where losses are read each step, else the last log's step's (None
+    before the first: :mod:`csrun.core.runner.step_losses`)."""
 
     step: int
     total_steps: int
-    loss: float
+    loss: float | None
 
 
 @dataclasses.dataclass

@@ -4,7 +4,8 @@ Each replica runs :class:`ReplicaStep` on its slice (forward, loss, backward); i
 divided by *all* the step's examples (every replica, every accumulated batch), so the
 gradients the strategy sums centrally are those of the step's mean, whatever the replica
 count. The replica's stats come back as one opaque value (:class:`Carried`) and are made
-Python numbers once, on the caller (:func:`replica_numbers`).
+Python numbers once, on the caller (:func:`replica_numbers`); the losses stay tensors
+where they were computed until the run reads them (:mod:`.step_losses`).
 """
 
 from __future__ import annotations
@@ -56,17 +57,17 @@ class Carried:
 
 
 def replica_numbers(runs: list[Sequence[dict]], objective) -> tuple[list[dict[str, Any]], Any]:
-    """Each replica's stats as Python numbers summed over the runs of an accumulated step
-    (converted once here, then read by the checks, tallies and the step record), and the
-    step's correct predictions, tallied after the run (``objective.tally_step``): a
-    number, or outputs for :class:`~csrun.core.runner.objectives.PendingCorrect` to
-    count."""
+    """Each replica's stats but its loss as Python numbers summed over the runs of an
+    accumulated step (converted once here, then read by the tallies and the step record;
+    ``losses``: its batches' loss tensors, unread), and the step's correct predictions,
+    tallied after the run (``objective.tally_step``): a number, or outputs for
+    :class:`~csrun.core.runner.objectives.PendingCorrect` to count."""
     correct = objective.tally_step(runs)  # (takes the outputs out of the stats)
     numbers = []
     for replica in zip(*runs):
-        total: dict[str, Any] = {"loss": 0.0, "examples": 0, "seconds": 0.0}
+        total: dict[str, Any] = {"losses": [], "examples": 0, "seconds": 0.0}
         for stats in replica:
-            total["loss"] += float(stats["loss"])
+            total["losses"].append(stats["loss"])
             total["examples"] += stats["examples"]
             total["seconds"] += stats["seconds"]
             add_metrics(total, stats)

@@ -101,6 +101,12 @@ class ScheduleSteps:
         self.metric = takes_metric(schedule)
         self.on_loss = self.metric and not evaluates
 
+    @property
+    def reads_step_loss(self) -> bool:
+        """Whether each step's loss is needed at its step (a metric schedule stepped
+        each step on the training loss)."""
+        return self.on_loss and self.interval == "step"
+
     def after_update(self) -> None:
         if self.schedule is not None and not self.metric and self.interval == "step":
             self.schedule.step()

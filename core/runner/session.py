@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -43,7 +42,7 @@ from .batches import PassBatches
 from .checkpointing import Checkpointer, Entry
 from .curve import Curve
 from .divergence import WINDOWS, diverged
-from .errors import NonFiniteLoss, RunError
+from .errors import RunError
 from .evaluation import EvalParts, Evaluator
 from .events import Notice, RunResult, RunStarted, StepDone
 from .export import export_final
@@ -59,6 +58,7 @@ from .rng import GlobalGenerators, seed_everything
 from .roles import LocalRole, Role
 from .schedules import ScheduleSteps, build_schedule, schedule_interval
 from .state import TrainState, position_at
+from .step_losses import StepLosses, check_finite
 
 __all__ = ["Outputs", "Session", "run_session"]
 
@@ -126,6 +126,8 @@ class Session:
         self.checkpoints = Checkpointer(config, self.replicas, self.role.is_chief, emit)
         self.sinks = MetricSinks(outputs.metrics, outputs.tensorboard)
         self.state = TrainState(self.replicas, recent=WINDOWS * config.train.log_every)
+        # a --metrics record or a schedule stepped on each step's loss reads each step
+        self.losses = StepLosses(self.sinks.active or self.schedule_steps.reads_step_loss)
         self.evaluator = Evaluator(config, EvalParts(
             self.strategy, self.role, self.pipeline, self.objective, self.precision,
             self.model, forward, emit, self.devices), holdout)
@@ -160,6 +162,7 @@ class Session:
                 Entry("rng", GlobalGenerators())]
 
     def save(self, again: bool = False) -> None:
+        self._read_losses()  # the state saved holds every step's loss (none is NaN)
         self.checkpoints.save(self.state.step, self._parts(), again)
 
     def restore(self) -> None:
@@ -207,6 +210,7 @@ class Session:
                     break
                 if state.position == start_position == 0:
                     raise RunError(f"the pipeline yielded no step in epoch {state.epoch}")
+                self._read_losses()  # the pass's mean loss
                 self.schedule_steps.after_pass(state.end_pass())  # the pass ended
         self.seconds += time.perf_counter() - begin
         if stop.is_set():
@@ -247,7 +251,8 @@ class Session:
 
     def _train_step(self, batches: list, distribute_s: float) -> None:
         """One optimizer step over ``batches`` (``train.accumulate_steps`` of them): each
-        is run, the gradients add up centrally, then one update."""
+        is run, the gradients add up centrally, then one update. The losses stay where
+        they were computed until read (:mod:`.step_losses`): no wait for a GPU a step."""
         strategy = self.strategy
         examples = sum(self.batches.global_examples(replica_step.first_leaf(b))
                        for b in batches)
@@ -263,45 +268,52 @@ class Session:
         per_replica, correct = replica_step.replica_numbers(
             [[c.stats for c in strategy.experimental_local_results(carried)]
              for _, carried in outs], self.objective)
-        self._check_finite(per_replica)
-        grad_norm = self._update()
+        reduced = [strategy.reduce("SUM", losses, axis=None) for losses, _ in outs]
         t2 = time.perf_counter()
-        loss = sum(float(strategy.reduce("SUM", losses, axis=None)) for losses, _ in outs) / \
-            sum(s["examples"] for s in per_replica)
+        self.losses.add(self.state.step + 1, [s.pop("losses") for s in per_replica],
+                        reduced, sum(s["examples"] for s in per_replica))
+        if self.losses.due():  # a loss on the CPU: checked before the update
+            self._read_losses()
+        grad_norm = self._update()
         t3 = time.perf_counter()
-        self._record(per_replica, correct, loss, {"distribute": distribute_s,
-                                                  "run": t1 - t0, "update": t2 - t1,
-                                                  "reduce": t3 - t2}, len(batches), grad_norm)
+        self._record(per_replica, correct, {"distribute": distribute_s, "run": t1 - t0,
+                                            "update": t3 - t2, "reduce": t2 - t1},
+                     len(batches), grad_norm)
 
-    def _update(self) -> float | None:
+    def _read_losses(self) -> None:
+        """Read the held steps' losses into the state (at a log, an evaluation, a save,
+        a pass's end; each step where reading costs no wait); a non-finite one fails
+        the run (before anything is saved)."""
+        for read in self.losses.read():
+            check_finite(read, self.state.step, self.devices, self.checkpoint_note)
+            self.state.add_loss(read.loss, read.replicas)
+
+    def _update(self) -> torch.Tensor | None:
         """Unscale (fp16), clip (``train.grad_clip_norm``), step, schedule; returns the
-        gradient norm before clipping (None without clipping)."""
+        gradient norm before clipping (None without clipping), unread: only a
+        ``--metrics`` record reads it."""
         self.precision.unscale(self.optimizer)
         clip, norm = self.config.train.grad_clip_norm, None
         if clip is not None:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
         self.precision.step(self.optimizer)
         self.schedule_steps.after_update()
         return norm
 
-    def _check_finite(self, per_replica: Sequence[dict]) -> None:
-        for replica, stats in enumerate(per_replica):
-            value = stats["loss"]
-            if not math.isfinite(value):
-                raise NonFiniteLoss(
-                    f"the loss is {value} at step {self.state.step + 1} on replica "
-                    f"{replica} ({self.devices[replica]}); stopped before the update, "
-                    f"{self.checkpoint_note()}. Try a lower optimizer.lr, or check the "
-                    "data for NaN/inf values")
-
-    def _record(self, per_replica: Sequence[dict], correct: Any, loss: float, phases: dict,
-                batches: int = 1, grad_norm: float | None = None) -> None:
+    def _record(self, per_replica: Sequence[dict], correct: Any, phases: dict, batches: int,
+                grad_norm: torch.Tensor | None = None) -> None:
         """After a step: the state, its record and events, a log, an evaluation and a
         checkpoint when they are due."""
         state, train = self.state, self.config.train
-        state.record(per_replica, correct, loss, phases, batches)
-        self.schedule_steps.after_step(loss)
+        state.record(per_replica, correct, phases, batches)
+        due_log = state.step % train.log_every == 0 or state.step == self.total_steps
+        due_eval = bool(train.eval_every) and state.step % train.eval_every == 0
+        every = self.config.checkpoint.every_steps
+        if due_log or due_eval or (every and state.step % every == 0):
+            self._read_losses()  # what they report or save holds every step's loss
+        loss = state.last_loss  # this step's where read each step, else the last read
+        self.schedule_steps.after_step(loss)  # (it reads each step: StepLosses)
         seconds = [s["seconds"] for s in per_replica]
         if self.outputs.plot:
             for curve, replica_seconds in zip(self.step_times, seconds):
@@ -309,9 +321,9 @@ class Session:
         if self.sinks.active:  # (the step's correct predictions are counted only then)
             self._write_record(per_replica, loss, seconds, phases, grad_norm)
         self.emit(StepDone(state.step, self.total_steps, loss))
-        if state.step % train.log_every == 0 or state.step == self.total_steps:
+        if due_log:
             self._log()
-        if train.eval_every and state.step % train.eval_every == 0:
+        if due_eval:
             # before a save at this step: it holds the new best
             best = self.evaluator.during(state.step, state.epoch, self.sinks)
             if self.evaluator.last is not None and self.evaluator.last.step == state.step:
@@ -319,12 +331,11 @@ class Session:
             if best:
                 self.checkpoints.keep_best(state.step)  # first: this save's pruning keeps it
                 self.save()
-        every = self.config.checkpoint.every_steps
         if every and state.step % every == 0:
             self.save()
 
-    def _write_record(self, per_replica: Sequence[dict], loss: float, seconds: list,
-                      phases: dict, grad_norm: float | None) -> None:
+    def _write_record(self, per_replica: Sequence[dict], loss: float | None, seconds: list,
+                      phases: dict, grad_norm: torch.Tensor | None) -> None:
         """The step's ``--metrics`` / TensorBoard record."""
         examples = sum(s["examples"] for s in per_replica)
         correct = self.state.count_correct()
@@ -333,7 +344,7 @@ class Session:
                   "examples": examples, "learning_rate": self._lr(),
                   "step_time_s": seconds, "phases_s": phases}
         if grad_norm is not None:
-            record["grad_norm"] = grad_norm  # before clipping
+            record["grad_norm"] = float(grad_norm)  # before clipping
         self.sinks.write(record)
 
     def _lr(self) -> float:

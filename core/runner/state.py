@@ -9,7 +9,8 @@ step's and the last few log windows' (what the divergence rule reads).
 Example::
 
     state = TrainState(replicas=2, recent=150)
-    state.record(per_replica, correct, loss=0.7, phases=phases, batches=1)
+    state.record(per_replica, correct, phases=phases, batches=1)
+    state.add_loss(loss=0.7, replicas=[0.5, 0.9])   # when read (:mod:`.step_losses`)
     log = state.log(total_steps=100, learning_rate=0.01, devices=["CPU:0", "CPU:1"],
                     classify=True)
 """
@@ -64,15 +65,22 @@ class TrainState:
         self.last_log: StepLog | None = None
         self.pending_correct = PendingCorrect()  # counted into the tallies when read
 
-    def record(self, per_replica: Sequence[dict], correct: Any, loss: float,
+    def record(self, per_replica: Sequence[dict], correct: Any,
                phases: dict[str, float], batches: int) -> None:
-        """A finished optimizer step over ``batches`` batches of the pass."""
+        """A finished optimizer step over ``batches`` batches of the pass; its losses
+        come when read (:meth:`add_loss`)."""
         self.step += 1
         self.position += batches
-        self._add_loss(loss)
         for tally in (self.totals, self.window, self.session):
             tally.add(per_replica, phases)
         self.pending_correct.add(correct)
+
+    def add_loss(self, loss: float, replicas: Sequence[float]) -> None:
+        """A step's loss (its mean) and each replica's summed loss, read
+        (:mod:`csrun.core.runner.step_losses`), in step order."""
+        self._add_loss(loss)
+        for tally in (self.totals, self.window, self.session):
+            tally.add_loss(replicas)
 
     def end_pass(self) -> float:
         """The pass over the data ended: the next one begins; returns the ended pass's

@@ -36,14 +36,19 @@ class Tally:
         self.steps += 1
         for r, stats in enumerate(per_replica):  # Python numbers (replica_numbers)
             add_metrics(vars(self), stats)
-            examples, loss = stats["examples"], stats["loss"]
+            examples = stats["examples"]
             self.examples += examples
-            self.loss += loss
             self.replica_examples[r] += examples
-            self.replica_loss[r] += loss
             self.replica_seconds[r] += stats["seconds"]
         for name, seconds in phases.items():
             self.phases[name] += seconds
+
+    def add_loss(self, replicas: Sequence[float]) -> None:
+        """A step's summed loss of each replica, when read (it may come steps later:
+        :mod:`csrun.core.runner.step_losses`)."""
+        for r, loss in enumerate(replicas):
+            self.loss += loss
+            self.replica_loss[r] += loss
 
     def replica_stats(self, devices: Sequence[str]) -> list[ReplicaStats]:
         steps = max(self.steps, 1)

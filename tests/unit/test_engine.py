@@ -570,10 +570,11 @@ class Counter(torch.nn.Module):
         return x
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["aliases", "copies"])
 @pytest.mark.parametrize("aggregation, expected", [
     ("SUM", 10.0), ("MEAN", 5.0), ("ONLY_FIRST_REPLICA", 6.0)])
-def test_buffer_written_in_replicas_is_aggregated(aggregation, expected):
-    strategy = _strategy(2)
+def test_buffer_written_in_replicas_is_aggregated(aggregation, expected, copy):
+    strategy = _strategy(2, copy_parameters=copy)
     with strategy.scope():
         counter = Counter()
     cs.set_aggregation(counter, "seen", aggregation)
@@ -586,8 +587,9 @@ def test_buffer_written_in_replicas_is_aggregated(aggregation, expected):
     del expected
 
 
-def test_buffer_with_aggregation_none_written_in_replicas_is_an_error():
-    strategy = _strategy(2)
+@pytest.mark.parametrize("copy", [False, True], ids=["aliases", "copies"])
+def test_buffer_with_aggregation_none_written_in_replicas_is_an_error(copy):
+    strategy = _strategy(2, copy_parameters=copy)
     with strategy.scope():
         counter = Counter()
     cs.set_aggregation(counter, "seen", cs.VariableAggregation.NONE)
@@ -606,8 +608,9 @@ def test_default_buffer_aggregations():
         cs.set_aggregation(Counter(), "seen", "MAX")
 
 
-def test_buffer_reassigned_inside_a_replica():
-    strategy = _strategy(2)
+@pytest.mark.parametrize("copy", [False, True], ids=["aliases", "copies"])
+def test_buffer_reassigned_inside_a_replica(copy):
+    strategy = _strategy(2, copy_parameters=copy)
     with strategy.scope():
         module = Counter()
 
@@ -615,6 +618,45 @@ def test_buffer_reassigned_inside_a_replica():
         module.seen = torch.tensor(float(_rid() + 1))  # replaces the buffer
     strategy.run(fn)
     assert module.seen.item() == 1.5  # MEAN of 1 and 2
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["aliases", "copies"])
+def test_buffers_written_by_some_replicas_only(copy):
+    """Each buffer's own writers count, though a copy replica's buffers share one flat
+    buffer: replica 1 writes ``a`` only, replica 0 ``b`` only; a buffer replaced between
+    runs (the central tensor is another) is served and combined as the new one."""
+    strategy = _strategy(2, copy_parameters=copy)
+    with strategy.scope():
+        module = torch.nn.Module()
+        module.register_buffer("a", torch.zeros(3))
+        module.register_buffer("b", torch.zeros(2))
+
+    def fn():
+        r = _rid()
+        (module.a if r == 1 else module.b).add_(r + 1.0)
+        return module.a.sum() + module.b.sum()
+    for _ in range(3):
+        strategy.run(fn)
+    assert module.a.tolist() == [6.0] * 3 and module.b.tolist() == [3.0] * 2
+    module.a = torch.full((3,), 10.0)  # replaced outside replicas
+    strategy.run(fn)
+    strategy.run(fn)
+    assert module.a.tolist() == [14.0] * 3 and module.b.tolist() == [5.0] * 2
+
+
+def test_a_copy_replicas_buffer_layout_follows_the_buffers_it_reads():
+    """A buffer replaced every step joins the flat layout and the one it replaced leaves
+    it (the layout holds what the last run read: it does not grow with the steps)."""
+    strategy = _strategy(2, copy_parameters=True)
+    with strategy.scope():
+        module = torch.nn.Module()
+        module.register_buffer("a", torch.zeros(3))
+    for step in range(6):
+        module.a = torch.full((3,), float(step))
+        strategy.run(lambda: module.a.add_(1.0))
+        assert module.a.tolist() == [step + 1.0] * 3
+    mirror = strategy.extended.store.buffer_mirror(1)
+    assert len(mirror._slot) <= 2
 
 
 # -- input --------------------------------------------------------------------------------

@@ -76,3 +76,19 @@ def test_on_a_gpu_one_quick_model(tmp_path):
     model = json.loads(path.read_text())["models"]["mlp512"]
     assert set(model["peak_gpu_mib"]) == set(gpu.VARIANTS)
     assert model["pcie_bound_ms"] > 0 and model["cpu_params_vs_floor"] > 0
+
+
+def test_it_runs_offloads_gpu_section(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu.offload, "offload_section",
+                        lambda rounds, steps: calls.append((rounds, steps)) or {
+                            "device": "x", "target": 1.2, "models": {}})
+    monkeypatch.setattr(gpu, "measure_model", lambda *a: {})
+    monkeypatch.setattr(gpu, "pcie_bandwidth", lambda: None)
+    monkeypatch.setattr(gpu, "judge", lambda result: [])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "x")
+    args = gpu.argparse.Namespace(device="cuda", rounds=3, steps=4, models=[], cap_gib=None,
+                                  offload=True)
+    result = gpu.measure(args)
+    assert calls == [(3, 4)] and result["offload"]["target"] == 1.2
+    assert "target csrun <= 1.2x" in gpu.report(result)

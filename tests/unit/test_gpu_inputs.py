@@ -137,3 +137,12 @@ def test_timing_a_gpu_replica_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert seconds[0] > 0
+
+
+def test_a_plain_gpu_tensor_reaches_a_cpu_replica_on_the_host():
+    strategy = _mixed(batch_split="even")
+    x = torch.arange(4.0, device=CUDA)
+    seen = strategy.run(lambda v: (v.device, v * 2), args=(x,))
+    results = strategy.experimental_local_results(seen)
+    assert [d.type for d, _ in results] == ["cuda", "cpu"]
+    assert results[0][1].device == CUDA and results[1][1].tolist() == [0.0, 2.0, 4.0, 6.0]

@@ -68,6 +68,13 @@ class _LateTransport(buckets._SameDevice):
             torch.cat([g.reshape(-1) for g in grads], out=flat)
         return flat, _Later(fill, self.log)
 
+    def buffers_out(self, flat: torch.Tensor):
+        """A replica's written buffers, copied when waited for (a sentinel before)."""
+        out = torch.full_like(flat, float("nan") if flat.is_floating_point() else -7)
+        return out, _Later(lambda: out.copy_(flat), self.buffer_log)
+
+    buffer_log: list = []  # the buffers' landings (not the gradients' log)
+
 
 @pytest.fixture
 def late(monkeypatch):
@@ -113,6 +120,44 @@ def _trained_once(kind="adam_fused", size=1):
     x, y = cp.batches(1)[0]
     strategy.run(lambda: cp.batch_loss(model, x, y).backward())
     return model, opt
+
+
+def test_written_buffers_land_when_the_central_ones_are_next_read(late):
+    """From a GPU, a run's written buffers (BatchNorm's statistics) land when the central
+    buffers are next read, not when ``run`` returns (that would wait for the GPU's whole
+    backward): a read of the module's buffers outside replicas, ``state_dict()``, the
+    next run. Nothing sees them unlanded."""
+    torch.manual_seed(0)
+    plain = cp.bn_mlp()
+    strategy = cp.copy_strategy(2, 0)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = cp.bn_mlp()
+    x, y = cp.batches(1)[0]
+    store = strategy.extended.store
+    for read in ("first run", "attribute", "state_dict", "next run"):
+        plain(x)
+        strategy.run(lambda: model(cp.own_slice(x.tensor_split(2), y.tensor_split(2))[0]))
+        bn = model[1]
+        if read == "first run":  # each buffer copied by itself: new to the layout
+            assert store._landing is None
+            continue
+        assert store._landing is not None
+        assert not torch.equal(dict.__getitem__(bn._buffers, "running_mean"),
+                               plain[1].running_mean)  # not there yet
+        if read == "attribute":
+            got = bn.running_mean
+        elif read == "state_dict":
+            got = model.state_dict()["1.running_mean"]
+        else:
+            strategy.run(lambda: None)
+            got = dict.__getitem__(bn._buffers, "running_mean")
+        assert store._landing is None
+        # the global batch's statistics (synchronized BatchNorm), up to rounding
+        torch.testing.assert_close(got, plain[1].running_mean)
+        if read == "next run":
+            plain.train()
+    assert int(model[1].num_batches_tracked) == 4
 
 
 def test_the_step_steps_each_bucket_when_it_lands(late):

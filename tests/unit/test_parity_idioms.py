@@ -279,6 +279,17 @@ def test_a_parameter_written_in_place_inside_a_copy_replica_is_refused():
         embedding.run(lambda i: table(i).sum(), args=(torch.arange(4),))
 
 
+def test_an_in_place_write_that_changes_nothing_is_refused_in_a_copy_replica_too():
+    """Found by the version counter, never by comparing values (that would wait for the
+    device every step): the renorm of an Embedding whose rows are all short enough
+    writes the weight all the same, and would lose a write the first time one is not."""
+    strategy = _strategy(2, copy_parameters=True)
+    with strategy.scope():
+        table = nn.Embedding(10, 4, max_norm=100.0)
+    with pytest.raises(RuntimeError, match="Embedding.weight in place"):
+        strategy.run(lambda i: table(i).sum(), args=(torch.arange(4),))
+
+
 def test_in_place_writes_on_the_parameter_device_reach_it_once_per_replica():
     """The deviation docs/tf-parity.md names: a replica on the parameter's own device
     writes the central tensor itself. An idempotent write (a clamp, Embedding's max_norm)

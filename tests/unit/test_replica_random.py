@@ -200,3 +200,28 @@ def test_global_state_is_the_generators_state_byte_for_byte():
     torch.rand(3)
     assert global_state() != before
     assert global_state() == torch.default_generator.get_state().numpy().tobytes()
+
+
+def test_the_run_seed_is_read_from_the_host_and_only_cpu_replicas_have_streams():
+    """Issue 36: the one value a run reads for its randomness (the run seed, drawn once a
+    run from the global CPU generator) is a CPU tensor's: a read that waits for no
+    device; GPU replicas draw from their own device generators, with no stream here."""
+    from types import SimpleNamespace
+
+    from csrun.core.distribute.replica_random import RunSeed, _on_cpu
+    from csrun.core.distribute.replica_run import ExecutionPolicy
+    from tests.helpers.op_count import OpCount
+
+    seed = RunSeed()
+    count = OpCount()
+    with count.counting():
+        seed.get()
+        seed.get()  # once a run: the second is the first's
+    reads = count.syncs()
+    assert len(reads) == 1 and all(t.is_cpu for _, ts in reads for t in ts)
+    gpu, cpu = SimpleNamespace(is_gpu=True), SimpleNamespace(is_gpu=False)
+    assert ExecutionPolicy([gpu, gpu], "auto")._random is None
+    assert ExecutionPolicy([gpu, cpu], "auto")._random is None  # one CPU: torch's own
+    streams = ExecutionPolicy([cpu, gpu, cpu], "auto")._random
+    assert [s is not None for s in streams] == [True, False, True]
+    assert not _on_cpu((torch.empty(2, device="meta"),), {})  # a device's op: not wrapped

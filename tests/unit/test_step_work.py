@@ -42,8 +42,10 @@ def _batches(steps=WARM_STEPS + 1):
 
 
 class _Counted:
-    """The step under count: ``count`` is set for the counted step only."""
+    """The step under count: ``count`` is set for the counted step only (``counting``:
+    a step is under count, for spies on csrun's own functions)."""
     count: OpCount | None = None
+    counting = False
 
 
 class _TwoDtypes(torch.nn.Module):
@@ -101,8 +103,12 @@ def _count(_model, step, distribute, counted: _Counted | None = None) -> OpCount
     count = OpCount()
     if counted is not None:
         counted.count = count
-    with count.counting():
-        step(*batches[WARM_STEPS])
+    _Counted.counting = True
+    try:
+        with count.counting():
+            step(*batches[WARM_STEPS])
+    finally:
+        _Counted.counting = False
     if counted is not None:
         counted.count = None
     return count
@@ -116,6 +122,9 @@ VARIANTS = {
                                              {"sync_batch_norm": False}),
     "1 replica, copies": (["CPU:0"], {"copy_parameters": True}),
     "2 replicas, copies": (["CPU:0", "CPU:1"], {"copy_parameters": True}),
+    # every tensor a bucket of its own: gradients leave during the backward (hooks)
+    "2 replicas, copies in buckets": (["CPU:0", "CPU:1"], {"copy_parameters": True,
+                                                           "bytes_per_pack": 1}),
 }
 
 
@@ -182,25 +191,57 @@ def test_replicas_on_the_parameter_device_copy_only_their_buffers(variant):
 
 
 @pytest.mark.parametrize("variant", ["1 replica, copies", "2 replicas, copies"])
-def test_copy_replicas_get_one_coalesced_copy_per_dtype_per_direction(variant):
+def test_copy_replicas_get_one_coalesced_copy_per_dtype_per_direction(variant, monkeypatch):
     """The copy path (GPU replicas, ``copy_parameters``): each replica reads the
     parameters through one flat buffer per dtype, filled by one copy, and hands its
-    gradients back the same way (core/distribute/broadcast.py)."""
+    gradients back the same way (core/distribute/broadcast.py); its buffers too: one copy
+    in per dtype, one copy out per dtype holding a written one (BatchNorm writes all
+    three: running mean and variance in float32, the batch count in int64)."""
     devices, _ = VARIANTS[variant]
     replicas, dtypes = len(devices), 2
+    moves = _spy_buffer_moves(monkeypatch)
     model, count = _measure(variant, _TwoDtypes)
     plain_count = _count(*_plain(_TwoDtypes))
     params = list(model.parameters())
     assert {p.dtype for p in params} == {torch.float32, torch.float64}
     # in: one cat per dtype into each replica's flat buffer, nothing else reads them
     assert count.copies_of(params) == ["cat"] * (replicas * dtypes)
+    buffers = list(model.buffers())
+    assert {b.dtype for b in buffers} == {torch.float32, torch.int64}
+    # buffers in: one cat per dtype per replica; the combined writes: one copy_ each
+    assert collections.Counter(count.copies_of(buffers)) == {
+        "cat": replicas * dtypes, "copy_": len(buffers)}
+    # the moves between devices: one per dtype per replica per direction
+    assert moves == {"in": replicas * dtypes, "out": replicas * dtypes}
     # out: one cat per dtype of each replica's gradients; synchronized BatchNorm adds one
     # cat of its sums per replica (with more than one)
     batch_norm_cats = replicas if replicas > 1 else 0
     assert count.ops["cat"] - plain_count.ops["cat"] == \
-        2 * replicas * dtypes + batch_norm_cats
+        2 * replicas * dtypes + replicas * dtypes + batch_norm_cats
     # the central gradients are views of the first replica's arrived buffers, not copies
     assert [op for op in count.copies_of([p.grad for p in params]) if op != "cat"] == []
+
+
+def _spy_buffer_moves(monkeypatch) -> collections.Counter:
+    """Counts the counted step's moves of buffers between the replicas' devices and the
+    parameter device (:class:`csrun.core.distribute.broadcast.BufferMirror`)."""
+    from csrun.core.distribute import buckets
+    moves: collections.Counter = collections.Counter()
+    transport = buckets._SameDevice
+    real_in, real_out = transport.buffers_in, transport.buffers_out
+
+    def counted_in(self, sources, flat):
+        if _Counted.counting:
+            moves["in"] += 1
+        return real_in(self, sources, flat)
+
+    def counted_out(self, flat):
+        if _Counted.counting:
+            moves["out"] += 1
+        return real_out(self, flat)
+    monkeypatch.setattr(transport, "buffers_in", counted_in)
+    monkeypatch.setattr(transport, "buffers_out", counted_out)
+    return moves
 
 
 # -- same seed, same model ----------------------------------------------------------------
@@ -303,15 +344,13 @@ def _gpu_loop(devices: list, parameter: str):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("devices", [
-    ["GPU:0"],
-    pytest.param(["GPU:0", "GPU:1"], marks=pytest.mark.xfail(
-        reason="synchronized BatchNorm's all-reduces wait for every replica's stream on "
-               "the host (cross_device_ops.Collectives._settle); not measured on 2 GPUs",
-        strict=False))], ids=["1 GPU", "2 GPUs"])
+@pytest.mark.parametrize("devices", [["GPU:0"], ["GPU:0", "GPU:1"]],
+                         ids=["1 GPU", "2 GPUs"])
 def test_a_gpu_step_never_waits_for_the_gpu(devices):
     """BatchNorm, dropout, Adam and the reduced loss, parameters on GPU:0: torch raises
-    on any call that makes the host wait for the GPU."""
+    on any call that makes the host wait for the GPU. With 2 GPUs, synchronized
+    BatchNorm's all-reduces order the replicas' streams with events, replica 1's buffers
+    move in one copy per dtype each way, its gradients in one per bucket."""
     if torch.cuda.device_count() < len(devices):
         pytest.skip(f"needs {len(devices)} GPUs")
     step, batches = _gpu_loop(devices, "GPU:0")
