@@ -154,6 +154,10 @@ def _default(field) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Write the reference to the path given (stdout without one)."""
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):
+        # An option is never a path: "--help" once became a file of that name.
+        sys.stdout.write("usage: python -m csrun.core.config.reference [OUTPUT.md]\n")
+        return 0 if argv[0] in ("-h", "--help") else 2
     text = render_reference()
     if argv:
         pathlib.Path(argv[0]).write_text(text, encoding="utf-8")

@@ -46,3 +46,14 @@ def test_every_field_appears_in_the_reference():
             assert f"| `{name}` |" in text, f"{model.__name__}.{name} missing from config.md"
     assert "override > file > default" in text
     assert all(f"`{name}`" in text for name in config_module.LOSS_NAMES)
+
+
+def test_an_option_is_not_taken_for_the_output_path(tmp_path, monkeypatch, capsys):
+    from csrun.core.config.reference import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--help"]) == 0
+    assert main(["-x"]) == 2
+    assert main(["a.md", "b.md"]) == 2
+    assert list(tmp_path.iterdir()) == []
+    assert "usage:" in capsys.readouterr().out
