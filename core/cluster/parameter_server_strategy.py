@@ -132,6 +132,10 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
 
         Returns:
           True when the chief ended the job, False when the grace ran out first.
+
+        Raises:
+          JobAborted: the chief ended the job after a failure (its reason).
+          ParameterServerError: ps:0, which holds the job's store, stopped answering.
         """
         if self._ps_server is None:
             raise RuntimeError(f"join() serves variables on ps tasks; this is "

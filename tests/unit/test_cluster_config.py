@@ -245,10 +245,12 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
     client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
-    client.store, client.stop, client._watch = store, None, None
-    threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
+    client.store, client.stop, client.watch, client._heard = store, None, None, []
+    threading.Timer(0.3, lambda: store.set("job/aborted", "the chief ended the job: "
+                                           "worker:0 failed: OSError: x")).start()
     # heard: waiting out the 20 s would raise "did not initialize the variables" instead
-    with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
+    with pytest.raises(ParameterServerError,
+                       match="^the chief ended the job: worker:0 failed: OSError: x$"):
         client.wait_initialized(20)
 
 
@@ -277,7 +279,7 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
         raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
         client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
         client.store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
-        client._watch = None
+        client.watch = None
         assert client.global_step == 0
         host.kill()
         host.wait()
