@@ -369,12 +369,13 @@ class ServerBooks:
         self.store.set(keys.ps_log(self.task_id), json.dumps(log))
         self.store.set(keys.ps_stopped(self.task_id), "1")
 
-    def wait_heard(self, others: int, timeout: float, poll: float) -> None:
+    def wait_heard(self, others: int, timeout: float, poll: float,
+                   stop: threading.Event | None = None) -> None:
         """ps:0 holds the store: after a failure, stay until the ``others`` (every other
-        task) read why the job ended, or ``timeout`` (a dead task never will); a task
-        that finds the store gone could only say that ps:0 stopped answering."""
-        poll_until(lambda: self.store.add(keys.HEARD, 0) >= others,
-                   time.monotonic() + timeout, poll)
+        task) read why the job ended, or ``timeout`` (a dead task never will), or a
+        signal; a task that finds the store gone could only say ps:0 stopped answering."""
+        poll_until(lambda: self.store.add(keys.HEARD, 0) >= others or
+                   (stop is not None and stop.is_set()), time.monotonic() + timeout, poll)
 
     def wait_closed(self, timeout: float, poll: float) -> None:
         """ps:0 holds the store: stay until the chief has read the logs."""

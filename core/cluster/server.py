@@ -105,12 +105,12 @@ class ParameterServer:
         except ChiefGone as exc:  # nobody will end the job: end it, and tell the workers
             self.books.abort(str(exc))
             self._aborted = str(exc)
-            self._close(poll, close_timeout)
+            self._close(poll, close_timeout, stop)
             raise
         except StoppedAnswering as exc:  # ps:0, and the job's store, stopped answering
             exc.left = self._watch.note() if self._watch is not None else None
             raise
-        self._close(poll, close_timeout)
+        self._close(poll, close_timeout, stop)
         if self._aborted is not None:  # the chief failed and ended the job: so does this ps
             raise JobAborted(self._aborted)
         return True
@@ -121,7 +121,8 @@ class ParameterServer:
         thread.start()
         self._threads.append(thread)
 
-    def _close(self, poll: float, close_timeout: float) -> None:
+    def _close(self, poll: float, close_timeout: float,
+               stop: threading.Event | None = None) -> None:
         reason = self.books.aborted() or self._aborted  # the job's first failure
         if reason is not None:  # the chief failed (or is gone): tell the workers why
             self._aborted = reason
@@ -129,7 +130,8 @@ class ParameterServer:
             for thread in self._threads:  # each ends when its worker hears and exits
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if self.task_id == 0:  # and a task still starting hears it from the store
-                self.books.wait_heard(self._tasks - 1, deadline - time.monotonic(), poll)
+                self.books.wait_heard(self._tasks - 1, deadline - time.monotonic(), poll,
+                                      stop)
             return
         for thread in self._threads:  # workers said goodbye or died; let the threads end
             thread.join(timeout=5)
