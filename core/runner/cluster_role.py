@@ -138,13 +138,9 @@ def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
     except BaseException as exc:
         # the chief ends the job even when it failed while setting up, or the ps tasks
         # would serve forever
-        line = _one_line(exc, role, session)
-        if line is not exc:  # the cluster failed: its line is the job's reason
-            reason, exc = str(line), line
-        else:  # never torch's C++ frames
-            line = None
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            reason = f"{joined.task} failed: {type(exc).__name__}: {first}"
+        line = _one_line(exc, role, session)  # the cluster failed: the job's reason
+        first = str(exc).splitlines()[0] if str(exc) else ""  # never torch's C++ frames
+        reason = str(line) if line else f"{joined.task} failed: {type(exc).__name__}: {first}"
         if isinstance(exc, KeyboardInterrupt):  # a second signal: no long wait for a store
             with contextlib.suppress(Exception):
                 bounded(lambda: role.abort(reason), ABORT_NOTICE_S, "the job's store")
@@ -153,22 +149,22 @@ def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
         if isinstance(exc, ClusterMismatch):  # a config problem: nothing of it ran
             raise ConfigError([Problem("model", str(exc), "run every task with the same "
                                        "config")]) from None
-        if line is exc:  # the cluster's line, instead of the exception that said it
+        if line is not None:  # the cluster's line, instead of the exception that said it
             raise line from None
         raise
 
 
-def _one_line(exc: BaseException, role: "ClusterRole", session) -> BaseException:
+def _one_line(exc: BaseException, role: "ClusterRole", session) -> RunError | None:
     """The line a worker ends with when the cluster failed: a ps that stopped answering
     with the checkpoint the job leaves; the job another task ended, with its reason
-    (the first failure's), nothing of this worker's own."""
+    (the first failure's), nothing of this worker's own. None: not the cluster's."""
     if isinstance(exc, StoppedAnswering):
         return RunError(exc.line(role.checkpoint_note(session)))
     if isinstance(exc, (JobAborted, HandlerError)):
         return RunError(str(exc))
     if isinstance(exc, ParameterServerError) and not isinstance(exc, ClusterMismatch):
         return RunError(f"{exc}; {role.checkpoint_note(session)}")
-    return exc
+    return None
 
 
 def connect(config, stop: threading.Event | None = None) -> ParameterServerStrategy:
