@@ -133,8 +133,10 @@ class ParameterServerClient:
     def _answer(self, k: int, answer: int, reply: list[torch.Tensor]) -> list[torch.Tensor]:
         if answer == ABORTED:  # the ps says why the job ended, or why it could not serve
             message = decode(reply[0])
-            if isinstance(message, dict):
-                raise HandlerError(f"ps:{k} failed on a request of {self.task}: "
+            if isinstance(message, dict):  # the ps's own failure, which ended the job
+                self._coordinator.ended_why()  # read (ps:0 waits for every task to)
+                raise HandlerError(f"ps:{k} failed on a request of "
+                                   f"{message.get('worker', self.task)}: "
                                    f"{message['type']}: {message['message']}")
             # the job's one line (the first failure's), read from the store: counted there
             raise JobAborted(self._coordinator.ended_why() or message)

@@ -344,11 +344,13 @@ class ServerBooks:
         """Why the job was ended after a failure, or None."""
         return read_abort(self.store, self._heard)
 
-    def abort(self, reason: str) -> None:
-        """End the job, saying why (the chief is gone, or this ps failed a request):
-        every task ends with ``reason``, unless the job was ended first."""
+    def abort(self, reason: str, end: bool = True) -> None:
+        """Say why the job ends (the chief is gone, or this ps failed a request): every
+        task ends with ``reason``, unless the job was ended first. ``end``: the ps tasks
+        stop now (nobody else would end it); else the chief ends the job when it hears."""
         record_abort(self.store, reason)
-        self.store.set(keys.DONE, "1")
+        if end:
+            self.store.set(keys.DONE, "1")
 
     def finished(self, worker: str) -> None:
         self.store.set(keys.finished(worker), "1")

@@ -60,6 +60,7 @@ class ParameterServer:
         self._device = gloo_device(store_host(resolver))
         self.shards = HeldShards(self.task_id)
         self._aborted: str | None = None  # why the chief ended the job after a failure
+        self._failure: dict | None = None  # a request it failed: type, message, worker
         self._threads: list[threading.Thread] = []
 
     def _claim(self) -> None:
@@ -163,8 +164,8 @@ class ParameterServer:
     def _reply(self, op: int, payload: list[torch.Tensor], worker: str) -> tuple[int, list]:
         """The answer to one request: its op and payload, or ABORTED (the job ended, or
         the request failed: the worker raises with the type and message) or REFUSED."""
-        if self._aborted is not None:
-            return ABORTED, [encode(self._aborted)]
+        if self._aborted is not None:  # a failure of this ps's own: as the exception
+            return ABORTED, [encode(self._failure or self._aborted)]
         try:
             return op, self._answer(op, payload, worker)
         except Refused as refused:
@@ -176,11 +177,12 @@ class ParameterServer:
         """A request failed (its state may be half applied): this ps ends the job, and
         every task ends saying why; the worker that asked gets the exception itself."""
         message = str(exc).splitlines()[0][:400] if str(exc) else ""
-        failed = {"type": type(exc).__name__, "message": message}
+        failed = {"type": type(exc).__name__, "message": message, "worker": worker}
         self._aborted = f"ps:{self.task_id} failed on a request of {worker}: " \
                         f"{failed['type']}: {message}"
-        try:
-            self.books.abort(self._aborted)
+        self._failure = failed
+        try:  # the chief ends the job when it hears (the other ps serve on until then)
+            self.books.abort(self._aborted, end=False)
         except RuntimeError:  # the store is gone: the workers hear it from this ps
             pass
         return failed
