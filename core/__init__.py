@@ -25,8 +25,8 @@ aggregation
 import importlib.metadata as _metadata
 
 from .cluster import (ClusterResolver, ClusterSpec, EmbeddingBagCollection,
-                      FixedShardsPartitioner, MinSizePartitioner, ParameterServerStrategy,
-                      Partitioner, SimpleClusterResolver, TFConfigClusterResolver,
+                      FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner,
+                      ParameterServerStrategy, Partitioner, SimpleClusterResolver, TFConfigClusterResolver,
                       TorchrunClusterResolver)
 from .distribute.jagged import JaggedTensor
 from . import distribute
@@ -44,7 +44,8 @@ from .distribute import (
 
 __all__ = ["ParameterServerStrategy", "ClusterSpec", "ClusterResolver", "SimpleClusterResolver",
            "TFConfigClusterResolver", "TorchrunClusterResolver", "Partitioner",
-           "FixedShardsPartitioner", "MinSizePartitioner", "EmbeddingBagCollection",
+           "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner",
+           "EmbeddingBagCollection",
            "JaggedTensor"]
 __all__ += distribute.__all__  # the engine's names, listed once, in csrun.core.distribute
 

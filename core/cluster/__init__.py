@@ -9,7 +9,8 @@ transport, the resolvers, and ``ParameterServerStrategy``. Imports only from
 from .embedding_collection import EmbeddingBagCollection
 from .launchers import TorchrunClusterResolver
 from .parameter_server_strategy import ParameterServerStrategy
-from .sharded_variable import FixedShardsPartitioner, MinSizePartitioner, Partitioner
+from .sharded_variable import (FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner,
+                               Partitioner)
 from .resolvers import (ClusterResolver, ClusterSpec, SimpleClusterResolver,
                         TFConfigClusterResolver)
 
@@ -23,5 +24,6 @@ __all__ = [
     "Partitioner",
     "FixedShardsPartitioner",
     "MinSizePartitioner",
+    "MaxSizePartitioner",
     "EmbeddingBagCollection",
 ]

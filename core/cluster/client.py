@@ -21,7 +21,7 @@ from .plan import Shard
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, Caller, Channel,
-                        ClusterMismatch,
+                        ClusterMismatch, JobAborted,
                         ParameterServerError, decode, encode, flat_by_dtype, gloo_device,
                         pack_state, store_host, unflatten_into, unpack_state)
 
@@ -77,8 +77,15 @@ class ParameterServerClient:
         tickets = [self._callers[k].submit(
             lambda k=k: Channel(raw, keys.channel(k, name), 1, bound, device))
             for k in range(self.num_ps)]
-        self._channels = [self._callers[k].wait(t, timeout + 5, f"ps:{k}'s channel", stop)
-                          for k, t in enumerate(tickets)]
+        self._channels = []
+        for k, ticket in enumerate(tickets):
+            try:
+                self._channels.append(self._callers[k].wait(ticket, timeout + 5,
+                                                            f"ps:{k}'s channel", stop))
+            except ParameterServerError:
+                raise
+            except RuntimeError as exc:  # gloo's, as the job ends: never raw
+                raise self._failed(k, exc) from None
 
     # -- the exchange ----------------------------------------------------------------------
     def exchange(self, messages: dict[int, tuple[int, list[torch.Tensor]]],
@@ -98,11 +105,16 @@ class ParameterServerClient:
             except ParameterServerError:
                 raise
             except RuntimeError as exc:
-                ended = self._coordinator.ended_why()  # the chief ended the job: its reason
-                if ended is not None:
-                    raise ParameterServerError(f"the chief ended the job: {ended}") from None
-                raise stopped_answering(self._ps_names[k], self.task, exc) from None
+                raise self._failed(k, exc) from None
         return {k: self._answer(k, *answer) for k, answer in answers.items()}
+
+    def _failed(self, k: int, exc: RuntimeError) -> ParameterServerError:
+        """What a broken channel to ps ``k`` means: the chief ended the job (its reason),
+        or that ps stopped answering."""
+        ended = self._coordinator.ended_why()
+        if ended is not None:
+            return JobAborted(ended)
+        return stopped_answering(self._ps_names[k], self.task, exc)
 
     def _exchanger(self, k: int, op: int, payload: list[torch.Tensor], counted: bool | None):
         channel, moved = self._channels[k], self._moved[k]
@@ -121,10 +133,13 @@ class ParameterServerClient:
     def _answer(self, k: int, answer: int, reply: list[torch.Tensor]) -> list[torch.Tensor]:
         if answer == ABORTED:  # the ps says why the job ended, or why it could not serve
             message = decode(reply[0])
-            if isinstance(message, dict):
-                raise HandlerError(f"ps:{k} failed on a request of {self.task}: "
+            if isinstance(message, dict):  # the ps's own failure, which ended the job
+                self._coordinator.ended_why()  # read (ps:0 waits for every task to)
+                raise HandlerError(f"ps:{k} failed on a request of "
+                                   f"{message.get('worker', self.task)}: "
                                    f"{message['type']}: {message['message']}")
-            raise ParameterServerError(message)
+            # the job's one line (the first failure's), read from the store: counted there
+            raise JobAborted(self._coordinator.ended_why() or message)
         if answer == REFUSED:  # this worker's model is not the job's
             raise ClusterMismatch(decode(reply[0]))
         return reply

@@ -18,17 +18,35 @@ import torch.distributed as dist
 from . import store_keys as keys
 from .heartbeat import ChiefWatch, Heartbeat
 from .resolvers import ClusterResolver
-from .transport import (BoundedStore, DuplicateTask, ParameterServerError, Stopped, agree,
-                        connect_store, poll_until, transport_error)
+from .transport import (BoundedStore, DuplicateTask, JobAborted, ParameterServerError,
+                        Stopped, StoppedAnswering, agree, connect_store, poll_until,
+                        transport_error)
 
 __all__ = ["JobCoordinator", "ServerBooks", "CLAIM_GRACE_S", "stopped_answering"]
 
 CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
 
 
-def stopped_answering(ps: str, task: str, exc: BaseException) -> ParameterServerError:
-    return ParameterServerError(f"parameter server {ps} stopped answering {task}: "
-                                f"{transport_error(exc)}; the job cannot go on without it")
+def stopped_answering(ps: str, task: str, exc: BaseException) -> StoppedAnswering:
+    """``ps`` ("ps:0 (host:port)") broke the connection ``task`` had to it."""
+    return StoppedAnswering(ps, task, transport_error(exc))
+
+
+def record_abort(store: BoundedStore, sentence: str) -> None:
+    """Why the job ends after a failure, the one line every task ends with: the first
+    one recorded stays (a later failure is most often the first one's consequence)."""
+    store.compare_set(keys.ABORTED, "", sentence[:500])
+
+
+def read_abort(store: BoundedStore, heard: list) -> str | None:
+    """Why the job was ended after a failure, or None; the first read is counted
+    (``heard``: this task's flag), so that ps:0 keeps the store until every task knows."""
+    if not store.check([keys.ABORTED]):
+        return None
+    if not heard:
+        heard.append(True)
+        store.add(keys.HEARD, 1)
+    return store.get(keys.ABORTED).decode()
 
 
 def _job_store(raw: dist.TCPStore, address: str, task: str, timeout: float) -> BoundedStore:
@@ -41,7 +59,7 @@ def _job_store(raw: dist.TCPStore, address: str, task: str, timeout: float) -> B
     talk to."""
     where = f"ps:0 ({address}), which holds the job's store,"
     return BoundedStore(raw, timeout, f"parameter server {where}",
-                        lambda exc: stopped_answering(where, task, exc))
+                        lambda exc: stopped_answering(f"ps:0 ({address})", task, exc))
 
 
 class JobCoordinator:
@@ -60,11 +78,13 @@ class JobCoordinator:
         self.timeout, self.stop = timeout, stop
         self.store = _job_store(connect_store(resolver, False, timeout, stop),
                                 spec.task_address("ps", 0), self.task, timeout)
+        self._heard: list = []  # this task read why the job was ended (read_abort)
         self.incarnation = self.store.add(keys.incarnation(self.task), 1)
         self._claim()
         is_chief = chief == self.task
-        self._heartbeat = Heartbeat(self.store.raw) if is_chief else None
-        self._watch = ChiefWatch(self.store, chief, timeout) if chief and not is_chief \
+        # the chief's beat (it names the chief's checkpoints too), and the others' watch
+        self.heartbeat = Heartbeat(self.store.raw) if is_chief else None
+        self.watch = ChiefWatch(self.store, chief, timeout) if chief and not is_chief \
             else None
 
     @property
@@ -123,8 +143,8 @@ class JobCoordinator:
     def stepped(self) -> None:
         """A step was pushed (the ps that applied it counted it): a dead chief ends this
         worker too."""
-        if self._watch is not None:
-            self._watch.check()
+        if self.watch is not None:
+            self.watch.check()
 
     def steps_done(self, task: str | None = None) -> int | None:
         """Steps the ps tasks applied for ``task`` (default: this one) in this job, as
@@ -241,11 +261,11 @@ class JobCoordinator:
         told = [float("-inf")]
 
         def initialized() -> bool:
-            if self._set(keys.ABORTED):  # the chief failed before initializing
-                raise ParameterServerError(f"the job was aborted: "
-                                           f"{self.store.get(keys.ABORTED).decode()}")
-            if self._watch is not None:
-                self._watch.check()
+            ended = read_abort(self.store, self._heard)
+            if ended is not None:  # the chief (or a ps) failed before initializing
+                raise JobAborted(ended)
+            if self.watch is not None:
+                self.watch.check()
             done = self._set(keys.INITIALIZED)
             now = time.monotonic()
             if not done and waiting is not None and now - told[0] >= 10.0:
@@ -259,29 +279,30 @@ class JobCoordinator:
         return json.loads(self.store.get(keys.INITIALIZED))
 
     def ended_why(self) -> str | None:
-        """Why the chief ended the job after a failure, if it did and the store still
-        answers (a channel that broke then is the job's end, not a failing ps)."""
+        """Why the job was ended after a failure (``the chief ended the job: ...``, or a
+        ps's own failure), if it was and the store still answers (a channel that broke
+        then is the job's end, not a failing ps)."""
         try:
-            if self._set(keys.ABORTED):
-                return self.store.get(keys.ABORTED).decode()
+            return read_abort(self.store, self._heard)
         except RuntimeError:  # ParameterServerError too: the store is gone as well
-            pass
-        return None
+            return None
 
     def abort(self, reason: str) -> None:
         """Chief: end the job after a failure; each ps answers the workers' next
-        message with ``reason`` (they fail with it) and stops."""
+        message with ``the chief ended the job: {reason}`` (they fail with it) and
+        stops. A job a ps ended first keeps the ps's reason: the first failure's."""
         self.close()
         try:
-            self.store.set(keys.ABORTED, reason[:500])
+            record_abort(self.store, f"the chief ended the job: {reason}")
+            read_abort(self.store, self._heard)  # the chief knows: ps:0 need not wait
             self.store.set(keys.DONE, "1")
         except (RuntimeError, ParameterServerError):  # ps:0, and the store, is gone
             pass
 
     def close(self) -> None:
         """This worker is done: the chief stops beating."""
-        if self._heartbeat is not None:
-            self._heartbeat.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
 
     def end_job(self, timeout: float = 60.0) -> list[dict]:
         """Chief: stop the ps tasks; return each one's log of applied pushes:
@@ -303,6 +324,7 @@ class ServerBooks:
     def __init__(self, store: BoundedStore, task_id: int):
         self.store, self.task_id = store, task_id
         self._joined = 0  # channels accepted so far (the store counts those asked for)
+        self._heard: list = [True] if task_id == 0 else []  # ps:0 waits for the others
 
     def ready(self) -> None:
         self.store.set(keys.ps_ready(self.task_id), "1")
@@ -320,14 +342,15 @@ class ServerBooks:
 
     def aborted(self) -> str | None:
         """Why the job was ended after a failure, or None."""
-        if not self.store.check([keys.ABORTED]):
-            return None
-        return self.store.get(keys.ABORTED).decode()
+        return read_abort(self.store, self._heard)
 
-    def abort(self, reason: str) -> None:
-        """Nobody else will end the job (the chief is gone): end it, saying why."""
-        self.store.set(keys.ABORTED, reason[:500])
-        self.store.set(keys.DONE, "1")
+    def abort(self, reason: str, end: bool = True) -> None:
+        """Say why the job ends (the chief is gone, or this ps failed a request): every
+        task ends with ``reason``, unless the job was ended first. ``end``: the ps tasks
+        stop now (nobody else would end it); else the chief ends the job when it hears."""
+        record_abort(self.store, reason)
+        if end:
+            self.store.set(keys.DONE, "1")
 
     def finished(self, worker: str) -> None:
         self.store.set(keys.finished(worker), "1")
@@ -347,6 +370,14 @@ class ServerBooks:
     def stopped(self, log: dict) -> None:
         self.store.set(keys.ps_log(self.task_id), json.dumps(log))
         self.store.set(keys.ps_stopped(self.task_id), "1")
+
+    def wait_heard(self, others: int, timeout: float, poll: float,
+                   stop: threading.Event | None = None) -> None:
+        """ps:0 holds the store: after a failure, stay until the ``others`` (every other
+        task) read why the job ended, or ``timeout`` (a dead task never will), or a
+        signal; a task that finds the store gone could only say ps:0 stopped answering."""
+        poll_until(lambda: self.store.add(keys.HEARD, 0) >= others or
+                   (stop is not None and stop.is_set()), time.monotonic() + timeout, poll)
 
     def wait_closed(self, timeout: float, poll: float) -> None:
         """ps:0 holds the store: stay until the chief has read the logs."""

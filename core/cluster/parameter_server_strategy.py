@@ -25,6 +25,7 @@ import torch
 from ..distribute.devices import LogicalDevice, resolve_devices
 from ..distribute.parameters import ParameterStore
 from ..distribute.strategy import ParameterServerStrategyExtended, Strategy, StrategyOptions
+from ..distribute.variables import Variable
 from .client import ParameterServerClient
 from .coordinator import JobCoordinator
 from .remote_store import RemoteParameterStore
@@ -131,17 +132,32 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
 
         Returns:
           True when the chief ended the job, False when the grace ran out first.
+
+        Raises:
+          JobAborted: the chief ended the job after a failure (its reason).
+          ParameterServerError: ps:0, which holds the job's store, stopped answering.
         """
         if self._ps_server is None:
             raise RuntimeError(f"join() serves variables on ps tasks; this is "
                                f"{self._task_type}:{self._task_id}")
         return self._ps_server.serve(stop=stop, grace=grace)
 
-    def variable_device(self, tensor: torch.Tensor) -> str:
+    def variable_device(self, variable) -> str:
         """Where a variable lives: ``/job:ps/replica:0/task:k/device:CPU:0``; a
-        partitioned one's shards, comma-separated in row order."""
+        partitioned one's shards, comma-separated in row order. ``variable``: a
+        :class:`~csrun.core.Variable` made in this strategy's scope (TF's ``v.device``),
+        or a parameter or tensor it registered."""
+        tensor = variable.tensor if isinstance(variable, Variable) else variable
+        remote = self._remote()
+        remote.ensure_registered()
+        if not isinstance(tensor, torch.Tensor) or not remote.owns(tensor):
+            shape = tuple(getattr(variable, "shape", ()))
+            raise ValueError(f"a {type(variable).__name__} of shape {shape} is not a variable "
+                             "of this strategy: "
+                             "create it in its scope (a module's parameters, or "
+                             "csrun.core.Variable)")
         return ",".join(f"/job:ps/replica:0/task:{k}/device:CPU:0"
-                        for k in self._remote().shard_devices(tensor))
+                        for k in remote.shard_devices(tensor))
 
     def transfer_stats(self) -> dict:
         """Bytes this worker moved to and from the ps tasks for its steps (lookups and
@@ -351,8 +367,10 @@ class ParameterServerStrategy(Strategy):
       timeout: seconds to wait for the parameter servers, and the bound of every store
         call and of the chief's silence (heartbeat) before a task gives up.
       options: csrun engine settings.
-      variable_partitioner: TF's ``FixedShardsPartitioner`` or ``MinSizePartitioner``
-        (:mod:`.sharded_variable`): variables split along dim 0 over the ps tasks.
+      variable_partitioner: TF's ``FixedShardsPartitioner``, ``MinSizePartitioner`` or
+        ``MaxSizePartitioner`` (:mod:`.sharded_variable`), or any callable
+        ``(shape, dtype) -> [n, 1, ...]`` as TF takes: variables split along dim 0 over
+        the ps tasks.
       serve_embedding_rows: embedding tables are read by rows (False: served whole, the
         full table pushed and pulled every step, as csrun did before).
       stop: an event a signal handler sets: the waits for the ps tasks and the chief

@@ -18,17 +18,21 @@ import uuid
 import torch
 
 from . import store_keys as keys
-from .coordinator import ServerBooks
+from .coordinator import ServerBooks, stopped_answering
 from .heartbeat import ChiefGone, ChiefWatch
 from .resolvers import ClusterResolver
 from .shards import HeldShards, Refused
 from .transport import (ABORTED, ASSIGN, BYE, FOREVER, LOAD, LOOKUP, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, BoundedStore,
-                        Channel,
-                        DuplicateTask, agree, connect_store, decode, encode, gloo_device, in_native,
-                        pack_state, poll_until, store_host, transport_error, unpack_state)
+                        Channel, DuplicateTask, JobAborted, StoppedAnswering, agree,
+                        connect_store, decode, encode, gloo_device, in_native, pack_state,
+                        poll_until, store_host, transport_error, unpack_state)
 
-__all__ = ["ParameterServer"]
+__all__ = ["ParameterServer", "ABORT_HEARD_S"]
+
+# after a failure, how long a ps waits for the workers to hear why (the launcher gives
+# the others 30 s once the chief has exited)
+ABORT_HEARD_S = 15.0
 
 
 class ParameterServer:
@@ -41,16 +45,22 @@ class ParameterServer:
         if resolver.task_type != "ps":
             raise ValueError(f"task {resolver.task_type}:{resolver.task_id} is not a ps task")
         self.task_id = resolver.task_id
+        spec = resolver.cluster_spec()
+        self._tasks = sum(spec.num_tasks(job) for job in ("chief", "worker", "ps"))
+        task = f"ps:{self.task_id}"
         address = resolver.cluster_spec().task_address("ps", 0)
         self._store = BoundedStore(connect_store(resolver, resolver.task_id == 0, timeout,
                                                  stop),
-                                   timeout, f"the cluster's store at ps:0 ({address})")
+                                   timeout, f"the cluster's store at ps:0 ({address})",
+                                   lambda exc: stopped_answering(f"ps:0 ({address})", task,
+                                                                 exc))
         self.books = ServerBooks(self._store, self.task_id)
         self._claim()
         self._watch = ChiefWatch(self._store, chief, timeout) if chief else None
         self._device = gloo_device(store_host(resolver))
         self.shards = HeldShards(self.task_id)
         self._aborted: str | None = None  # why the chief ended the job after a failure
+        self._failure: dict | None = None  # a request it failed: type, message, worker
         self._threads: list[threading.Thread] = []
 
     def _claim(self) -> None:
@@ -74,7 +84,10 @@ class ParameterServer:
         Once ``stop`` is set (a first Ctrl-C or SIGTERM), the ps serves on for at most
         ``grace`` seconds, so that the workers can stop cleanly and the chief can write
         its last checkpoint. Returns True when the chief ended the job, False when the
-        grace ran out first.
+        grace ran out first. Raises :class:`~.transport.JobAborted` (with the job's one
+        line) when the chief, or this ps (a request it failed), ended it after a failure,
+        and :class:`~.transport.StoppedAnswering` when ps:0 (the store) stopped answering
+        (its ``left``: the chief's newest checkpoint this ps heard of).
         """
         self.books.ready()
 
@@ -93,9 +106,14 @@ class ParameterServer:
         except ChiefGone as exc:  # nobody will end the job: end it, and tell the workers
             self.books.abort(str(exc))
             self._aborted = str(exc)
-            self._close(poll, close_timeout)
+            self._close(poll, close_timeout, stop)
             raise
-        self._close(poll, close_timeout)
+        except StoppedAnswering as exc:  # ps:0, and the job's store, stopped answering
+            exc.left = self._watch.note() if self._watch is not None else None
+            raise
+        self._close(poll, close_timeout, stop)
+        if self._aborted is not None:  # the chief failed and ended the job: so does this ps
+            raise JobAborted(self._aborted)
         return True
 
     def _accept(self, name: str) -> None:
@@ -104,14 +122,17 @@ class ParameterServer:
         thread.start()
         self._threads.append(thread)
 
-    def _close(self, poll: float, close_timeout: float) -> None:
-        reason = self._aborted or self.books.aborted()
+    def _close(self, poll: float, close_timeout: float,
+               stop: threading.Event | None = None) -> None:
+        reason = self.books.aborted() or self._aborted  # the job's first failure
         if reason is not None:  # the chief failed (or is gone): tell the workers why
-            if self._aborted is None:
-                self._aborted = f"the chief ended the job: {reason}"
-            deadline = time.monotonic() + 10.0
+            self._aborted = reason
+            deadline = time.monotonic() + ABORT_HEARD_S
             for thread in self._threads:  # each ends when its worker hears and exits
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if self.task_id == 0:  # and a task still starting hears it from the store
+                self.books.wait_heard(self._tasks - 1, deadline - time.monotonic(), poll,
+                                      stop)
             return
         for thread in self._threads:  # workers said goodbye or died; let the threads end
             thread.join(timeout=5)
@@ -143,15 +164,28 @@ class ParameterServer:
     def _reply(self, op: int, payload: list[torch.Tensor], worker: str) -> tuple[int, list]:
         """The answer to one request: its op and payload, or ABORTED (the job ended, or
         the request failed: the worker raises with the type and message) or REFUSED."""
-        if self._aborted is not None:
-            return ABORTED, [encode(self._aborted)]
+        if self._aborted is not None:  # a failure of this ps's own: as the exception
+            return ABORTED, [encode(self._failure or self._aborted)]
         try:
             return op, self._answer(op, payload, worker)
         except Refused as refused:
             return REFUSED, [encode(str(refused))]
         except Exception as exc:  # noqa: BLE001 - any handler's failure goes to the worker
-            message = str(exc).splitlines()[0][:400] if str(exc) else ""
-            return ABORTED, [encode({"type": type(exc).__name__, "message": message})]
+            return ABORTED, [encode(self._failed(exc, worker))]
+
+    def _failed(self, exc: Exception, worker: str) -> dict:
+        """A request failed (its state may be half applied): this ps ends the job, and
+        every task ends saying why; the worker that asked gets the exception itself."""
+        message = str(exc).splitlines()[0][:400] if str(exc) else ""
+        failed = {"type": type(exc).__name__, "message": message, "worker": worker}
+        self._aborted = f"ps:{self.task_id} failed on a request of {worker}: " \
+                        f"{failed['type']}: {message}"
+        self._failure = failed
+        try:  # the chief ends the job when it hears (the other ps serve on until then)
+            self.books.abort(self._aborted, end=False)
+        except RuntimeError:  # the store is gone: the workers hear it from this ps
+            pass
+        return failed
 
     def _answer(self, op: int, payload: list[torch.Tensor], worker: str) -> list[torch.Tensor]:
         shards = self.shards

@@ -308,9 +308,12 @@ class HeldShards:
         ``table`` (this ps's shard from ``start``), and into ``slots`` its optimizer's."""
         a, b = max(start, entry["start"]), min(stop, entry["start"] + entry["rows"])
         key, local = entry["key"], (a - entry["start"], b - entry["start"])
-        if key not in file.keys or file.shape(key) != entry["shape"]:
-            raise ShardFileError(f"checkpoint file {str(file.path)!r}: {key} is not the "
-                                 f"{entry['dtype']} {entry['shape']} its index says")
+        if key not in file.keys:
+            raise ShardFileError(f"checkpoint file {str(file.path)!r} holds no {key}, which "
+                                 "its index lists")
+        if file.shape(key) != entry["shape"]:  # e.g. a table with 999 of its 1000 rows
+            raise ShardFileError(f"checkpoint file {str(file.path)!r}: {key} has shape "
+                                 f"{file.shape(key)}, its index says {entry['shape']}")
         if table.dim():
             table[a - start:b - start] = file.rows(key, *local)
         else:

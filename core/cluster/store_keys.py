@@ -9,7 +9,8 @@ protocol between the ps tasks (:mod:`.server`), the workers' coordinator
 from __future__ import annotations
 
 __all__ = [
-    "INITIALIZED", "ABORTED", "DONE", "CLOSED", "BEAT", "GLOBAL_STEP", "ps_ready", "ps_joins",
+    "INITIALIZED", "ABORTED", "DONE", "CLOSED", "HEARD", "BEAT", "CHECKPOINT", "GLOBAL_STEP",
+    "ps_ready", "ps_joins",
     "ps_join",
     "ps_log", "ps_stopped", "channel", "incarnation", "owner", "finished", "lost",
     "lost_incarnation", "steps", "transfers", "agreed",
@@ -20,6 +21,8 @@ ABORTED = "job/aborted"          # why the chief (or a ps) ended the job after a
 DONE = "job/done"                # the chief ends the job: the ps tasks stop serving
 CLOSED = "job/closed"            # the chief read the ps logs: ps:0 (the store) may go
 BEAT = "chief/beat"              # the chief's heartbeat counter
+HEARD = "job/heard"              # tasks that read why the job was ended (ps:0 waits)
+CHECKPOINT = "chief/checkpoint"  # the chief's last checkpoint written whole: JSON step, path
 GLOBAL_STEP = "global_step"      # what the workers' steps do not hold (an old checkpoint's)
 
 

@@ -37,7 +37,8 @@ from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
 from . import store_keys
 
-__all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "Stopped"]
+__all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "JobAborted",
+           "StoppedAnswering", "Stopped"]
 
 (REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED, LOOKUP,
  ASSIGN, SAVE, RESTORE) = range(1, 14)
@@ -64,6 +65,30 @@ class ClusterMismatch(ParameterServerError):
 
 class DuplicateTask(ParameterServerError):
     """Another process already plays this task of the job (started twice)."""
+
+
+class StoppedAnswering(ParameterServerError):
+    """A ps broke its connection (it died, or was stopped): ``ps`` names it and its
+    address, ``task`` the task that saw it, ``detail`` the transport's words. The job
+    cannot go on; :meth:`line` says so with what it leaves (the last checkpoint)."""
+
+    def __init__(self, ps: str, task: str, detail: str):
+        super().__init__(f"parameter server {ps} stopped answering {task}: {detail}; the "
+                         "job cannot go on without it")
+        self.ps, self.task, self.detail = ps, task, detail
+        self.left: str | None = None  # what the job leaves, as this task knows it
+
+    def line(self, left: str | None = None) -> str:
+        """The one line every task ends with: ``ps:0 (host:port) stopped answering:
+        the last checkpoint, step 10, is intact (...)``; ``left``: what the job leaves."""
+        left = left or self.left or "no checkpoint that this task heard of"
+        return f"{self.ps} stopped answering: {left}; the job cannot go on without it " \
+               f"({self.task}: {self.detail})"
+
+
+class JobAborted(ParameterServerError):
+    """The chief ended the job after a failure (its reason is the message): the tasks
+    that took part end with it."""
 
 
 class Stopped(Exception):
@@ -385,6 +410,8 @@ def transport_error(exc: BaseException) -> str:
     ``Read error [127.0.0.1]:28317: Connection reset by peer``."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    if text.startswith("Failed to recv, got 0 bytes"):  # and gloo's guesses why
+        return "the connection was closed"
     return text.split(". This is typically")[0][:200]
 
 

@@ -184,7 +184,19 @@ class MinSizeConfig(_Section):
         "default, 1, splits nothing: set it).")
 
 
-PartitionerConfig = Annotated[Union[FixedShardsConfig, MinSizeConfig],
+class MaxSizeConfig(_Section):
+    """TF's `MaxSizePartitioner`: as few shards as keep each within `max_shard_bytes`."""
+
+    kind: Literal["max_size"] = Field(description="`max_size`: shards of a maximum size.")
+    max_shard_bytes: Int64 = Field(
+        ge=1, description="Bytes a shard may hold at most: a variable gets as few shards "
+        "as keep each within it (whole rows, at least one row a shard; TF's rule).")
+    max_shards: Int64 | None = Field(
+        None, ge=1, le=65536, description="At most this many shards per variable, "
+        "whatever their size; null: no limit (TF's default).")
+
+
+PartitionerConfig = Annotated[Union[FixedShardsConfig, MinSizeConfig, MaxSizeConfig],
                               Field(discriminator="kind")]
 
 
@@ -222,8 +234,8 @@ class ParameterServerConfig(_Section):
         "fewest bytes so far).")
     variable_partitioner: PartitionerConfig | None = Field(
         None, description="Split variables along dim 0 over the ps tasks (TF's "
-        "partitioners): `{kind: fixed, num_shards: N}` or `{kind: min_size, "
-        "min_shard_bytes: B, max_shards: N}`; null: each variable whole on one ps. "
+        "partitioners): `{kind: fixed, num_shards: N}`, `{kind: min_size, "
+        "min_shard_bytes: B, max_shards: N}` or `{kind: max_size, max_shard_bytes: B}`; null: each variable whole on one ps. "
         "Checkpoints, exports and `params_sha256` see whole variables, whatever the "
         "sharding. See docs/parameter-server.md.")
     serve_embedding_rows: bool = Field(

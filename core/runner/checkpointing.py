@@ -155,7 +155,15 @@ class Checkpointer:
                              f"checkpoint(s) of an earlier run in "
                              f"{str(self.manager.directory)!r}"))
         self.saved_step, self.saved_path = step, str(path)
+        self._tell_saved(parts)
         self.emit(CheckpointSaved(step, str(path)))
+
+    def _tell_saved(self, parts: Sequence[Stateful]) -> None:
+        """The last intact checkpoint, to the parts that pass it on (``saved(step,
+        path)``: a ps job's chief tells the other tasks)."""
+        for part in parts:
+            if hasattr(part, "saved"):
+                part.saved(self.saved_step, self.saved_path)
 
     def restore(self, parts: Sequence[Stateful]) -> dict | None:
         """Load the newest checkpoint into ``parts``; its payload, or None when there is
@@ -180,6 +188,7 @@ class Checkpointer:
                                   f"optimizer: {type(exc).__name__}: {exc}") from None
         self.resumed_from = self.saved_step = payload["step"]
         self.saved_path = path
+        self._tell_saved(parts)
         self._note_settings(payload.get("settings"))  # (older checkpoints have none)
         return payload
 

@@ -35,8 +35,10 @@ import torch
 from .preflight.cluster import cluster_resolver
 from ..config.problems import ConfigError, Problem
 from .events import Notice, RunResult
-from ..cluster.heartbeat import ChiefGone
-from ..cluster.transport import ClusterMismatch, ParameterServerError, Stopped, bounded
+from ..cluster.client import HandlerError
+from ..cluster.heartbeat import ChiefGone, intact
+from ..cluster.transport import (ClusterMismatch, JobAborted, ParameterServerError, Stopped,
+                                 StoppedAnswering, bounded, transport_error)
 from ..cluster.embedding_lookup import ServedModel
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
 from ..cluster.shard_index import FORMAT as SHARDS_FORMAT, CheckpointIndexError
@@ -136,8 +138,9 @@ def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
     except BaseException as exc:
         # the chief ends the job even when it failed while setting up, or the ps tasks
         # would serve forever
+        line = _one_line(exc, role, session)  # the cluster failed: the job's reason
         first = str(exc).splitlines()[0] if str(exc) else ""  # never torch's C++ frames
-        reason = f"{joined.task} failed: {type(exc).__name__}: {first}"
+        reason = str(line) if line else f"{joined.task} failed: {type(exc).__name__}: {first}"
         if isinstance(exc, KeyboardInterrupt):  # a second signal: no long wait for a store
             with contextlib.suppress(Exception):
                 bounded(lambda: role.abort(reason), ABORT_NOTICE_S, "the job's store")
@@ -146,10 +149,22 @@ def _play(config, resume: bool, outputs: Outputs, emit: Callable[[Any], None],
         if isinstance(exc, ClusterMismatch):  # a config problem: nothing of it ran
             raise ConfigError([Problem("model", str(exc), "run every task with the same "
                                        "config")]) from None
-        if isinstance(exc, ParameterServerError):
-            note = session.checkpoint_note() if session else "no checkpoint was written"
-            raise RunError(f"{exc}; {note}") from None
+        if line is not None:  # the cluster's line, instead of the exception that said it
+            raise line from None
         raise
+
+
+def _one_line(exc: BaseException, role: "ClusterRole", session) -> RunError | None:
+    """The line a worker ends with when the cluster failed: a ps that stopped answering
+    with the checkpoint the job leaves; the job another task ended, with its reason
+    (the first failure's), nothing of this worker's own. None: not the cluster's."""
+    if isinstance(exc, StoppedAnswering):
+        return RunError(exc.line(role.checkpoint_note(session)))
+    if isinstance(exc, (JobAborted, HandlerError)):
+        return RunError(str(exc))
+    if isinstance(exc, ParameterServerError) and not isinstance(exc, ClusterMismatch):
+        return RunError(f"{exc}; {role.checkpoint_note(session)}")
+    return None
 
 
 def connect(config, stop: threading.Event | None = None) -> ParameterServerStrategy:
@@ -169,6 +184,8 @@ def connect(config, stop: threading.Event | None = None) -> ParameterServerStrat
                                     bytes_per_pack=s.bytes_per_pack),
             stop=stop, variable_partitioner=partitioner_from_config(s.variable_partitioner),
             serve_embedding_rows=s.serve_embedding_rows)
+    except StoppedAnswering as exc:
+        raise RunError(exc.line()) from None
     except ParameterServerError as exc:
         raise RunError(str(exc)) from None
 
@@ -193,6 +210,8 @@ def _agree_on_the_job(strategy: ParameterServerStrategy, config, task: str) -> N
     mine = job_settings(config)
     try:
         first, theirs = strategy.extended.agree("settings", mine)
+    except StoppedAnswering as exc:
+        raise RunError(exc.line()) from None
     except ParameterServerError as exc:
         raise RunError(str(exc)) from None
     differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
@@ -221,11 +240,13 @@ def _serve(strategy, config, joined: ClusterJoined, stop: threading.Event) -> Se
         ended = strategy.extended.join(stop=stop, grace=config.strategy.timeout_s)
     except ChiefGone as exc:  # nobody would end the job: this ps ended it
         raise RunError(f"{joined.task}: {exc}; the ps ended the job") from None
-    except ParameterServerError as exc:  # ps:0's store stopped answering
-        raise RunError(f"{joined.task}: {exc}") from None
-    except RuntimeError as exc:  # the store on ps:0 went away: the job is over
-        raise RunError(f"{joined.task} lost the cluster's store on ps:0: "
-                       f"{str(exc).splitlines()[0][:200]}") from None
+    except StoppedAnswering as exc:  # ps:0, which holds the job's store, died
+        raise RunError(exc.line()) from None
+    except ParameterServerError as exc:  # the job was ended: its one line
+        raise RunError(str(exc)) from None
+    except RuntimeError as exc:  # gloo's or the store's own, as the job ends: never raw
+        raise RunError(f"{joined.task} lost the job's store on ps:0: "
+                       f"{transport_error(exc)}") from None
     return ServeResult("completed" if ended else "interrupted", joined.task,
                        time.perf_counter() - begin, joined.to_dict())
 
@@ -276,6 +297,24 @@ class ClusterRole:
         its last checkpoint (then the last one is written again, with all of them)."""
         return self.is_chief and self._saved_global is not None and \
             self.ext.global_step != self._saved_global
+
+    def saved(self, step: int, path: str) -> None:
+        """The checkpointer wrote ``path`` whole: the chief tells the other tasks, which
+        name it if the job fails later (ps:0, the store, may be gone by then)."""
+        if self.is_chief:
+            self.ext.coordinator.heartbeat.checkpointed(step, path)
+
+    def checkpoint_note(self, session) -> str:
+        """What a failure leaves behind: the chief's last checkpoint (on another
+        worker: the newest it heard of), intact."""
+        if self.is_chief:
+            saved = session.checkpoints if session else None
+            if saved is None or not saved.saved_path:
+                return "no checkpoint was written"
+            return intact(saved.saved_step, saved.saved_path)
+        watch = self.ext.coordinator.watch
+        return (watch.note() if watch is not None else None) or \
+            "no checkpoint that this task heard of"
 
     def checkpointed(self, model: torch.nn.Module):
         """The model's checkpoint entry: without the tables served by rows (the ps tasks

@@ -351,7 +351,9 @@ def _wait(plan: LaunchPlan, tasks: dict[str, _Task], emit, stop: threading.Event
             deadline = now + plan.run_config.strategy.timeout_s + _AFTER_CHIEF_S
         chief = tasks[plan.chief]
         if chief.exit_code is not None and deadline is None:
-            deadline = now + (_AFTER_CHIEF_S if chief.exit_code == 0 else 2.0)
+            # a chief that exited (0, or 1 having ended the job) lets the others end on
+            # their own; one killed by a signal told nobody: they are stopped soon
+            deadline = now + (_AFTER_CHIEF_S if chief.exit_code >= 0 else 2.0)
         if deadline is not None and now > deadline and not terminated:
             terminated, deadline = True, now + _KILL_AFTER_S
             for task in tasks.values():
@@ -439,14 +441,23 @@ def _first_failure(tasks: dict[str, _Task], codes: dict, chief: str) -> str | No
 
 def _error(first: str, chief: str, codes: dict, tasks: dict[str, _Task]) -> str:
     text = f"{first} failed first ({describe_exit(codes[first])})"
-    last = tasks[first].tail[-1] if tasks[first].tail else None
+    last = _reason(tasks[first])
     if last:
-        text += f": {last.strip()}"
+        text += f": {last}"
     if first != chief and codes[chief] != 0:
-        chief_last = tasks[chief].tail[-1].strip() if tasks[chief].tail else ""
+        chief_last = _reason(tasks[chief])
         text += f"; the chief {chief} then {describe_exit(codes[chief])}" + \
             (f": {chief_last}" if chief_last else "")
     return text
+
+
+def _reason(task: "_Task") -> str:
+    """A failed task's reason: its last ``error:`` line (not a hint printed after it,
+    such as how to see the traceback), else its last line."""
+    lines = [line.strip() for line in task.tail if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    reason = errors[-1] if errors else lines[-1] if lines else ""
+    return reason.removeprefix("error:").strip()
 
 
 def _read_result(path: pathlib.Path) -> dict | None:

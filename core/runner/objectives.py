@@ -32,6 +32,7 @@ import torch
 from ..config.targets import import_object
 from ..config.user_code import UserCodeError, user_code_error
 from ..distribute.values import flatten
+from .failures import PASSED_ON
 from .models import LOSSES, resolve_loss
 
 __all__ = ["NamedLoss", "LossFunction", "PendingCorrect", "make_objective",
@@ -112,6 +113,8 @@ class LossFunction:
         examples = batch_examples(batch)
         try:
             result = self._fn(model, batch)
+        except PASSED_ON:  # csrun's own (a ps that failed during a lookup): not the user's
+            raise
         except Exception as exc:  # noqa: BLE001 - the user's model or loss raised
             raise user_code_error("model.loss", self.name, exc) from exc
         losses, metrics = result if isinstance(result, tuple) and len(result) == 2 \

@@ -6,6 +6,7 @@ import threading
 from csrun.core import ParameterServerStrategy
 from csrun.core.cluster.resolvers import SimpleClusterResolver
 from csrun.core.cluster.server import ParameterServer
+from csrun.core.cluster.transport import JobAborted
 from csrun.core.runner.launch import free_ports
 
 
@@ -31,10 +32,21 @@ class Cluster:
         self.servers[k] = ParameterServer(SimpleClusterResolver(self.spec, "ps", k),
                                           timeout=60, chief="worker:0")
         ready.set()
-        self.servers[k].serve()
+        try:
+            self.servers[k].serve()
+        except JobAborted as exc:  # the job was ended after a failure (abort())
+            self.ended_why = str(exc)
+
+    def abort(self, reason: str) -> None:
+        """End the job after a failure, as the chief does: every ps stops with it."""
+        self.strategy.extended.abort(reason)
+        self.aborted = True
+        for thread in self.threads:
+            thread.join(timeout=30)
 
     def close(self) -> None:
-        self.strategy.extended.finish(timeout=30)
+        if not getattr(self, "aborted", False):
+            self.strategy.extended.finish(timeout=30)
         for thread in self.threads:
             thread.join(timeout=30)
 

@@ -12,9 +12,9 @@ through csrun's API, in one place, so that a rewrite of the cluster layer change
   dtype; ``axis=k`` when the case has one);
 * ``csrun.core.Partitioner``, the base of a user's own partitioner (a plain function is
   passed as it is where the case says ``plain``);
-* ``csrun.core.cluster.sharded_variable.Layout.of(tensors, num_ps, "round_robin",
-  colocate, partitioner)`` on meta tensors, read through ``layout.shards_of(i)``
-  (``shard.rows``, ``shard.ps``).
+* ``csrun.core.cluster.plan.ShardingPlan.of(tensors, num_ps, "round_robin", colocate,
+  partitioner)`` on meta tensors, read through ``plan.shards_of(i)`` (``shard.rows``,
+  ``shard.ps``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def csrun_call(case: dict) -> dict:
 def csrun_plan(case: dict) -> dict:
     """The case's variables planned over ``num_ps`` ps tasks: each one's shards (shape,
     ps) and the partitioner's calls, or the error."""
-    from csrun.core.cluster.sharded_variable import Layout
+    from csrun.core.cluster.plan import ShardingPlan
     calls: list = []
     try:
         partitioner = make_partitioner(case["partitioner"], calls)
@@ -107,9 +107,9 @@ def csrun_plan(case: dict) -> dict:
                    for v in specs]
         colocate = {i: v["colocate_with"] for i, v in enumerate(specs)
                     if v["colocate_with"] is not None}
-        layout = Layout.of(tensors, case["num_ps"], "round_robin", colocate, partitioner)
+        plan = ShardingPlan.of(tensors, case["num_ps"], "round_robin", colocate, partitioner)
         variables = [[{"shape": [s.rows, *v["shape"][1:]] if v["shape"] else [], "ps": s.ps}
-                      for s in layout.shards_of(i)] for i, v in enumerate(specs)]
+                      for s in plan.shards_of(i)] for i, v in enumerate(specs)]
     except Exception as exc:  # noqa: BLE001
         return error(exc)
     return {"variables": variables, "calls": calls}

@@ -313,7 +313,7 @@ def test_a_worker_whose_ps_dies_prints_csruns_one_line_without_cpp_frames(tmp_pa
     assert code == 1, worker.text()
     lines = [line for line in worker.err.read_text().splitlines() if line.strip()]
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"error: parameter server ps:0 (127.0.0.1:{ports[2]})")
+    assert lines[0].startswith(f"error: ps:0 (127.0.0.1:{ports[2]}) stopped answering: ")
 
 
 # -- 5. a worker that stops (SIGSTOP) before the chief is done ----------------------------

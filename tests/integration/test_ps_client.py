@@ -103,6 +103,12 @@ def test_an_exception_in_a_ps_handler_reaches_the_worker_with_its_type_and_messa
             _step(cluster, model, optimizer)
         # the runner passes it on as the cluster's failure, not the user's code's
         assert located(caught.value, "step 2", None, []) is caught.value
+        # its state may be half applied: that ps answers every later request so, and the
+        # job's reason is its failure, which the chief's abort keeps
+        with pytest.raises(HandlerError, match="worker:0: KeyError: 'shard 7'"):
+            _step(cluster, model, optimizer)
+        cluster.abort(f"worker:0 failed: HandlerError: {caught.value}")
+        assert cluster.ended_why == "ps:1 failed on a request of worker:0: KeyError: 'shard 7'"
 
 
 class Momentum:

@@ -25,18 +25,10 @@ SAMPLE = ["plan/ps2/round_robin/mixed", "plan/ps3/round_robin/mixed",
           "plan/ps3/fixed(3)/sequence", "plan/ps3/fixed(2)/rows1",
           "plan/ps3/min_size(16,4)/[10, 4]/float32", "plan/ps2/custom([2])/[4, 4]",
           "plan/ps2/custom([2, 1])/[4, 4]"]
-# csrun's answers that differ today (see KNOWN_DIFFERENCES in test_ps_plan_golden.py)
-KNOWN_DIFFERENCES = {
-    "plan/ps2/round_robin/zero_rows": "zero rows: csrun raises IndexError at registration",
-    "plan/ps3/colocate/issue_37": "colocated variables count in csrun's round-robin",
-    "plan/ps4/colocate/chain": "colocated variables count in csrun's round-robin",
-    "plan/ps2/colocate/interleaved": "colocated variables count in csrun's round-robin",
-    "plan/ps3/colocate/fixed(2)/with_whole": "colocated variables count in csrun's round-robin",
-    "plan/ps2/colocate/fixed(2)/with_partitioned":
-        "colocated with a partitioned variable: TF on the coordinator, csrun on its first ps",
-    "plan/ps2/custom([2])/[4, 4]": "csrun refuses a custom result TF accepts ([2] for [4, 4])",
-    "plan/ps2/custom([2, 1])/[4, 4]": "csrun refuses a custom result TF accepts ([2, 1] for [3])",
-}
+# csrun's documented deviation (DEVIATIONS in test_ps_plan_golden.py, docs/tf-parity.md):
+# TF puts a variable colocated with a partitioned one on the coordinator, csrun with the
+# target's first shard
+ON_TARGETS_PS = {"plan/ps2/colocate/fixed(2)/with_partitioned"}
 
 
 class Cluster:
@@ -82,7 +74,7 @@ def placed(case: dict) -> dict:
                     with strategy.extended.colocate_vars_with(made[spec["colocate_with"]]):
                         made.append(cs.Variable(value))
         strategy.run(lambda: None)  # registers the variables with the ps tasks
-        return {"ps": [[ps_of(d) for d in strategy.extended.variable_device(v.tensor).split(",")]
+        return {"ps": [[ps_of(d) for d in strategy.extended.variable_device(v).split(",")]
                        for v in made]}
     except Exception as exc:  # noqa: BLE001 -- compared with TF's error
         return error(exc)
@@ -90,16 +82,38 @@ def placed(case: dict) -> dict:
         cluster.close()
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=c["id"], marks=[pytest.mark.xfail(
-        strict=True, reason=KNOWN_DIFFERENCES[c["id"]])] if c["id"] in KNOWN_DIFFERENCES else [])
-    for c in cases("plan") if c["id"] in SAMPLE])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in cases("plan")
+                                  if c["id"] in SAMPLE])
 def test_the_strategy_places_variables_where_tf_does(case):
     got, tf = placed(case), case["tf"]
     if "error" in tf:
         return check_error(got, tf)
     assert "error" not in got, f"TF places {tf['variables']}; csrun raises {got}"
-    assert got["ps"] == [[shard["ps"] for shard in v] for v in tf["variables"]]
+    expected = [[shard["ps"] for shard in v] for v in tf["variables"]]
+    if case["id"] in ON_TARGETS_PS:
+        expected = [[expected[spec["colocate_with"]][0]] * len(shards)
+                    if spec["colocate_with"] is not None else shards
+                    for spec, shards in zip(case["variables"], expected)]
+    assert got["ps"] == expected
+
+
+def test_variable_device_takes_a_variable_or_its_tensor_and_refuses_a_stranger():
+    cluster = Cluster(2, None)
+    strategy = cluster.strategy
+    try:
+        with strategy.scope():
+            first, second = cs.Variable(torch.zeros(3)), cs.Variable(torch.zeros(3))
+            layer = torch.nn.Linear(2, 2)
+        strategy.run(lambda: None)
+        assert strategy.extended.variable_device(second) == "/job:ps/replica:0/task:1/device:CPU:0"
+        assert strategy.extended.variable_device(first.tensor) == \
+            strategy.extended.variable_device(first)
+        assert strategy.extended.variable_device(layer.weight).startswith("/job:ps/")
+        with pytest.raises(ValueError, match=r"a Tensor of shape \(3,\) is not a variable of "
+                                             r"this strategy"):
+            strategy.extended.variable_device(torch.zeros(3))
+    finally:
+        cluster.close()
 
 
 def test_the_sample_is_in_the_golden():

@@ -245,10 +245,12 @@ def test_workers_waiting_for_the_chief_hear_its_abort():
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10),
                           wait_for_workers=False)
     client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
-    client.store, client.stop, client._watch = store, None, None
-    threading.Timer(0.3, lambda: store.set("job/aborted", "worker:0 failed: OSError: x")).start()
+    client.store, client.stop, client.watch, client._heard = store, None, None, []
+    threading.Timer(0.3, lambda: store.set("job/aborted", "the chief ended the job: "
+                                           "worker:0 failed: OSError: x")).start()
     # heard: waiting out the 20 s would raise "did not initialize the variables" instead
-    with pytest.raises(ParameterServerError, match="aborted: worker:0 failed"):
+    with pytest.raises(ParameterServerError,
+                       match="^the chief ended the job: worker:0 failed: OSError: x$"):
         client.wait_initialized(20)
 
 
@@ -277,7 +279,7 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
         raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
         client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
         client.store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
-        client._watch = None
+        client.watch = None
         assert client.global_step == 0
         host.kill()
         host.wait()
@@ -288,3 +290,27 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
         assert "ps:0" in message and "worker:1" in message and "cannot go on" in message
     finally:
         host.kill()
+
+
+@pytest.mark.timeout(30)
+def test_the_first_failure_is_the_jobs_reason_and_each_task_counts_reading_it_once():
+    import datetime
+
+    import torch.distributed as dist
+
+    from csrun.core.cluster.coordinator import ServerBooks, read_abort, record_abort
+    from csrun.core.cluster.transport import BoundedStore
+
+    store = BoundedStore(dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=10)), 10, "store")
+    heard: list = []
+    assert read_abort(store, heard) is None and store.add("job/heard", 0) == 0
+    record_abort(store, "ps:1 failed on a request of worker:0: KeyError: 'shard 7'")
+    record_abort(store, "the chief ended the job: worker:0 failed: JobAborted: ...")
+    for _ in range(2):  # the first failure stays; one task is counted once
+        assert read_abort(store, heard) == \
+            "ps:1 failed on a request of worker:0: KeyError: 'shard 7'"
+    assert store.add("job/heard", 0) == 1
+    stop = threading.Event()
+    stop.set()  # a signal ends ps:0's wait for the others at once
+    ServerBooks(store, 0).wait_heard(3, 20, 0.01, stop)

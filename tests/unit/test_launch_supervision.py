@@ -85,7 +85,7 @@ def test_a_worker_that_fails_on_its_own_fails_the_job_naming_it(tmp_path):
                          worker_0="import time; time.sleep(0.5)"))
     assert result.status == "failed" and result.exit_code == 1
     assert result.failed_task == "worker:1"
-    assert result.error == "worker:1 failed first (exit 1): error: worker 1 of 2 has no example"
+    assert result.error == "worker:1 failed first (exit 1): worker 1 of 2 has no example"
 
 
 @pytest.mark.process
@@ -108,11 +108,13 @@ def test_a_failed_ps_fails_the_job_and_is_named_first(tmp_path):
                                         "sys.exit(1)",
                          worker_0="import sys, time; time.sleep(1); "
                                   "print('error: parameter server ps:0 stopped answering',"
-                                  " file=sys.stderr); sys.exit(1)"))
+                                  " file=sys.stderr); print('  (set CSRUN_TRACEBACK=1 to "
+                                  "see the traceback)', file=sys.stderr); sys.exit(1)"))
     assert result.status == "failed" and result.exit_code == 1
     assert result.failed_task == "ps:0"
+    # the chief's error line, not the hint after it (issue 39: the hint was named)
     assert result.error == ("ps:0 failed first (exit 1): ps broke; the chief worker:0 then "
-                            "exit 1: error: parameter server ps:0 stopped answering")
+                            "exit 1: parameter server ps:0 stopped answering")
     assert result.tails["ps:0"] == ["ps broke"]
 
 

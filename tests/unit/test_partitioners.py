@@ -4,7 +4,8 @@ config's `strategy.variable_partitioner` (checked before anything runs)."""
 import pytest
 import torch
 
-from csrun.core import FixedShardsPartitioner, MinSizePartitioner, Partitioner
+from csrun.core import (FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner,
+                        Partitioner)
 from csrun.core.cluster.plan import ShardingPlan, placement, shard_count
 from csrun.core.cluster.sharded_variable import partitioner_from_config
 from csrun.core.config.problems import ConfigError
@@ -76,8 +77,12 @@ def test_what_tf_refuses_is_refused_naming_the_partitioner(partitioner, shape, m
 
 def test_partitioners_take_tfs_arguments_and_refuse_counts_that_are_not_counts():
     assert FixedShardsPartitioner(2)((10, 4), torch.float32, axis=1) == [1, 2]
-    with pytest.raises(IndexError):  # TF's own answer for a scalar
-        FixedShardsPartitioner(2)((), torch.float32)
+    for partitioner in (FixedShardsPartitioner(2), MaxSizePartitioner(4)):
+        # TF indexes past the shape (IndexError, a crash): csrun says what is wrong
+        with pytest.raises(ValueError, match=r"along axis 0 when shape is only \(\)"):
+            partitioner((), torch.float32)
+        with pytest.raises(ValueError, match=r"along axis 2 when shape is only \(10, 3\)"):
+            partitioner((10, 3), torch.float32, axis=2)
     with pytest.raises(ValueError, match=r"Cannot partition variable along axis 0 when "
                                          r"shape is only \(\)"):
         MinSizePartitioner(4, 3)((), torch.float32)
@@ -88,6 +93,44 @@ def test_partitioners_take_tfs_arguments_and_refuse_counts_that_are_not_counts()
         MinSizePartitioner(0)
     with pytest.raises(ValueError, match="bytes_per_string` must be positive"):
         MinSizePartitioner(bytes_per_string=0)
+
+
+def test_max_size_keeps_shards_within_max_shard_bytes_as_tf():
+    # TF's docstring: [6, 1] float32 under 4 bytes a shard, 2 at most, 1024 bytes
+    assert MaxSizePartitioner(4)((6, 1), torch.float32) == [6, 1]
+    assert MaxSizePartitioner(4, max_shards=2)((6, 1), torch.float32) == [2, 1]
+    assert MaxSizePartitioner(1024)((6, 1), torch.float32) == [1, 1]
+    # whole rows: 12 bytes take 3 of 4-byte rows a shard, ceil(7 / 3) = 3 shards
+    assert MaxSizePartitioner(12)((7,), torch.float32) == [3]
+    # a fractional size rounds the rows down: floor(3.5) = 3 int8 rows, ceil(100 / 3) = 34
+    assert MaxSizePartitioner(3.5)((100,), torch.int8) == [34]
+    assert MaxSizePartitioner(16, max_shards=0)((10, 3), torch.float32) == [10, 1]  # 0: none
+    assert MaxSizePartitioner(4)((10, 3), torch.float32, axis=1) == [1, 3]
+    assert shard_count(MaxSizePartitioner(12, 2), (10, 3), torch.float32) == 2
+    with pytest.raises(ValueError, match=r"has no rows"):  # TF divides by zero
+        MaxSizePartitioner(4)((0, 4), torch.float32)
+    for bad, message in ((dict(max_shard_bytes=0), "max_shard_bytes` must be positive"),
+                         (dict(max_shard_bytes=8, max_shards=-1), "max_shards` must be positive"),
+                         (dict(max_shard_bytes=8, bytes_per_string=0),
+                          "bytes_per_string` must be positive")):
+        with pytest.raises(ValueError, match=message):
+            MaxSizePartitioner(**bad)
+    with pytest.raises(TypeError, match="max_shards must be a whole number"):
+        MaxSizePartitioner(8, max_shards=2.5)
+
+
+def test_a_plain_function_partitions_as_a_partitioner_does():
+    asked = []
+
+    def halves(shape, dtype):  # TF takes any callable
+        asked.append(tuple(shape))
+        return [2] + [1] * (len(shape) - 1)
+
+    plan = ShardingPlan.of([torch.zeros(6, 4), torch.zeros(()), torch.zeros(5)], 2,
+                           partitioner=halves)
+    assert [(s.var, s.start, s.stop, s.ps) for s in plan.shards] == [
+        (0, 0, 3, 0), (0, 3, 6, 1), (1, 0, 1, 0), (2, 0, 3, 1), (2, 3, 5, 0)]
+    assert asked == [(6, 4), (5,)]  # a scalar is never offered, as in TF
 
 
 def test_a_colocated_variable_is_not_counted_by_the_round_robin():
@@ -140,6 +183,7 @@ train: {steps: 2}
 @pytest.mark.parametrize("text, expected", [
     ("{kind: fixed, num_shards: 3}", FixedShardsPartitioner),
     ("{kind: min_size, min_shard_bytes: 1024, max_shards: 4}", MinSizePartitioner),
+    ("{kind: max_size, max_shard_bytes: 4096}", MaxSizePartitioner),
 ])
 def test_the_config_gives_tfs_partitioners_and_every_task_must_agree(text, expected):
     config = load_config_text(CONFIG.replace("PARTITIONER", text), "c.yaml")
@@ -150,6 +194,7 @@ def test_the_config_gives_tfs_partitioners_and_every_task_must_agree(text, expec
 @pytest.mark.parametrize("text, path", [
     ("{kind: fixed, num_shards: 0}", "strategy.variable_partitioner.num_shards"),
     ("{kind: min_size, max_shards: 0}", "strategy.variable_partitioner.max_shards"),
+    ("{kind: max_size}", "strategy.variable_partitioner.max_shard_bytes"),
     ("{kind: rows}", "strategy.variable_partitioner"),
 ])
 def test_a_partitioner_that_cannot_split_is_refused_before_anything_runs(text, path):

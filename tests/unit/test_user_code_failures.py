@@ -125,3 +125,17 @@ def test_preflight_refuses_a_dict_output_with_the_recipe(user, monkeypatch):
     (problem,) = caught.value.problems
     assert problem.path == "model.loss" and "returned a dict" in problem.message
     assert "A model that returns a mean loss" in problem.hint
+
+
+def test_a_ps_that_fails_inside_the_users_loss_is_the_clusters_failure_not_the_loss():
+    # issue 39: a dead ps was reported as "model.loss: embpkg.emb:loss failed:
+    # ParameterServerError: ... (at embpkg/emb.py:34)"
+    from csrun.core.cluster.transport import ParameterServerError
+    from csrun.core.runner.objectives import LossFunction
+
+    def lookup_fails(model, batch):
+        raise ParameterServerError("parameter server ps:0 (127.0.0.1:1) stopped answering")
+    loss = LossFunction("builtins:len")
+    loss._fn = lookup_fails
+    with pytest.raises(ParameterServerError, match="stopped answering"):
+        loss.stats(torch.nn.Linear(2, 2), (torch.zeros(3, 2), torch.zeros(3)))
