@@ -55,6 +55,13 @@ EXTREMES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "MinSizeConfig.max_shards": (
         PS + ("strategy.variable_partitioner={kind: min_size, max_shards: 65537}",),
         REFUSED, "strategy.variable_partitioner"),
+    # one shard per variable, whatever its size
+    "MaxSizeConfig.max_shard_bytes": (
+        PS + (f"strategy.variable_partitioner={{kind: max_size, max_shard_bytes: {BIG}}}",),
+        VALID, ""),
+    "MaxSizeConfig.max_shards": (
+        PS + ("strategy.variable_partitioner={kind: max_size, max_shard_bytes: 8, "
+              "max_shards: 65537}",), REFUSED, "strategy.variable_partitioner"),
     "ParameterServerConfig.timeout_s": (PS + ("strategy.timeout_s=1e308",), REFUSED,
                                         "strategy.timeout_s"),
     # one bucket holds everything: the old one-copy path (on the copy path it runs)
