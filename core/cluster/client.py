@@ -135,19 +135,25 @@ class ParameterServerClient:
 
     # -- variables -------------------------------------------------------------------------
     def register(self, held: list[list[tuple[Shard, torch.Tensor, dict]]],
-                 whole: list[list[torch.Tensor]]) -> None:
+                 whole: list[list[torch.Tensor]], initializers: dict | None = None) -> None:
         """Offer each ps its shards (``(shard, values, flags)``) and take the values it
         holds for those served whole (``whole[k]``: where they go). Values travel only
         when the ps asks for them: the first worker's initialize a shard, later workers
-        take the ps's."""
+        take the ps's. A shard flagged ``init`` has none: the ps makes it from its
+        variable's ``initializers[var]`` (:mod:`.initializers`), or leaves it to a
+        restore (``init: restored``)."""
         metas = {k: {"shards": [{"id": s.id, "var": s.var, "start": s.start,
                                  "shape": list(t.shape), **flags,
                                  "dtype": str(t.dtype).replace("torch.", "")}
                                 for s, t, flags in shards]}
                  for k, shards in enumerate(held) if shards}
         replies = self.exchange({k: (REGISTER, [encode(meta)]) for k, meta in metas.items()})
-        wanted = {k: (REGISTER, _with_values(metas[k], [t for _, t, _ in held[k]]))
-                  for k, reply in replies.items() if decode(reply[0])["need_values"]}
+        initializers = initializers or {}
+        wanted = {k: (REGISTER, _with_values(
+            {**metas[k], "initializers": {str(s.var): initializers[s.var]
+                                          for s, _, f in held[k] if f.get("init") == "steps"}},
+            [t for _, t, f in held[k] if not f.get("init")]))
+            for k, reply in replies.items() if decode(reply[0])["need_values"]}
         replies.update(self.exchange(wanted))
         with torch.no_grad():
             for k, reply in replies.items():

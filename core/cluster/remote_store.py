@@ -18,8 +18,9 @@ from ..distribute import context
 from ..distribute.parameters import ParameterStore
 from .client import ParameterServerClient, Push
 from .coordinator import JobCoordinator
-from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, serve_by_rows,
-                               sparse_update_problem, table_label)
+from .deferred_table import DeferredTable, deferred_tables
+from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, is_lookup,
+                               serve_by_rows, sparse_update_problem, table_label, unservable)
 from .optimizer_spec import group_settings, optimizer_spec
 from .plan import ShardingPlan
 from .sharded_variable import Partitioner
@@ -60,9 +61,24 @@ class RemoteParameterStore(ParameterStore):
         self.ensure_registered()
         return super().begin_run(reads)
 
-    def ensure_registered(self) -> None:
+    def stand_in(self, module, name: str, param: torch.Tensor) -> torch.Tensor | None:
+        """A table that will be served by rows is not made here: its weight is a
+        stand-in that records its initialization, which the ps tasks run by shard at
+        registration (:mod:`.deferred_table`)."""
+        if (name != "weight" or not is_lookup(module) or not self.serve_embedding_rows
+                or any(self.copies) or unservable(module) is not None
+                or isinstance(param, DeferredTable) or param.device.type != "cpu"
+                or not param.is_floating_point() or param.dim() != 2
+                or context.current_entry().replica is not None):
+            return None
+        return DeferredTable.standing_for(
+            param, f"{type(module).__name__}({param.shape[0]}, {param.shape[1]})")
+
+    def ensure_registered(self, initialize: bool = True) -> None:
         """Give every new variable an id and shards on the ps tasks; the first worker's
-        values win. Lookup tables are then served by rows and freed here."""
+        values win. Lookup tables are then served by rows and freed here; those still
+        deferred are made by the ps tasks, by shard (``initialize=False``: a checkpoint
+        writes them next, nothing to run)."""
         tensors = self.tensors()
         if len(tensors) == len(self._ids):
             return
@@ -77,15 +93,26 @@ class RemoteParameterStore(ParameterStore):
         tables = self._tables_to_serve(modules, tensors, index)
         self._sparse = {index[m.weight] for m in modules
                         if getattr(m, "sparse", False) is True and m.weight in index}
+        deferred = self._deferred(tensors, index, tables)
         held: list[list] = [[] for _ in range(self.client.num_ps)]
         self._whole = [[] for _ in range(self.client.num_ps)]
         for shard in self.plan.shards:
-            tensor = tensors[shard.var]
-            piece = tensor.detach()[shard.start:shard.stop] if tensor.dim() else tensor.detach()
-            held[shard.ps].append((shard, piece, {"rows": shard.var in tables}))
+            tensor, flags = tensors[shard.var], {"rows": shard.var in tables}
+            if shard.var in deferred:  # made there: its shape travels, no value
+                piece = torch.empty((shard.stop - shard.start, *tensor.shape[1:]),
+                                    dtype=tensor.dtype, device="meta")
+                flags["init"] = "steps" if initialize else "restored"
+            else:
+                piece = tensor.detach()[shard.start:shard.stop] if tensor.dim() else \
+                    tensor.detach()
+            held[shard.ps].append((shard, piece, flags))
             if shard.var not in tables:
                 self._whole[shard.ps].append(piece)
-        self.client.register(held, self._whole)
+        self.client.register(held, self._whole, {
+            var: table.initializer.to_json() for var, table in deferred.items()
+            if initialize})
+        for table in deferred.values():
+            table.served()
         self.holding = [bool(shards) for shards in held]  # the ps tasks a push goes to
         self._counting_ps = self.holding.index(True)
         for var, module in tables.items():
@@ -98,6 +125,18 @@ class RemoteParameterStore(ParameterStore):
             serve_by_rows(module, self.tables[var])
         # never served ahead to a replica: a read of one there is refused (check_device)
         self.serve_when_read(self._row_served)
+
+    @staticmethod
+    def _deferred(tensors, index, tables) -> dict[int, DeferredTable]:
+        """The deferred tables the ps tasks make (var id -> stand-in); one served whole,
+        or given its values, is built here first (:meth:`DeferredTable.materialize`)."""
+        deferred = {}
+        for table in deferred_tables(tensors):
+            if index[table] in tables and table.initializer.given is None:
+                deferred[index[table]] = table
+            else:
+                table.materialize()
+        return deferred
 
     def _tables_to_serve(self, modules, tensors, index) -> dict[int, torch.nn.Module]:
         """The lookup tables to serve by rows (var id -> module); says once which are

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from .initializers import RANDOM_STEPS, TableInitializer, chunking_holds
 from .optimizer_spec import (OptimizerRefused, apply_settings, optimizer_class, sparse_exact)
 from .shard_files import ShardFile, ShardFileError, write_file
 from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
@@ -77,13 +78,16 @@ class HeldShards:
                 return {"need_values": False}
             if not meta.get("with_values"):
                 return {"need_values": True}
+            given = [v for v in specs if not v.get("init")]
             if meta["with_values"] == "per_shard":  # the received buffers themselves
-                variables = [f.view(v["shape"]) for v, f in zip(specs, flats)]  # id order
+                made = {v["id"]: f.view(v["shape"]) for v, f in zip(given, flats)}  # id order
             else:
-                variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
-                             for v in specs]
-                unflatten_into(variables, flats)
-            for spec, tensor in zip(specs, variables):
+                made = {v["id"]: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
+                        for v in given}
+                unflatten_into(list(made.values()), flats)
+            made.update(_initialized(specs, meta.get("initializers", {})))
+            for spec in specs:
+                tensor = made[spec["id"]]
                 self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
                 self._specs[spec["id"]] = spec
             self._whole = [self._vars[i] for i in sorted(self._vars)
@@ -336,6 +340,29 @@ class HeldShards:
             if state.get("optimizer") is not None and self._optimizer is not None:
                 self._optimizer.load_state_dict(state["optimizer"])
             self.version = int(state.get("version", 0))
+
+
+def _initialized(specs: list[dict], initializers: dict) -> dict[int, torch.Tensor]:
+    """The shards a worker sent no values for, made here (shard id -> rows): by their
+    variable's initializer (:mod:`.initializers`), each table's steps run once over all
+    of its shards on this ps; or left for a restore to write (``init: restored``)."""
+    made, by_var = {}, {}
+    for spec in specs:
+        if spec.get("init"):
+            made[spec["id"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+            if spec["init"] == "steps":
+                by_var.setdefault(spec["var"], []).append((spec["start"], made[spec["id"]]))
+    with torch.no_grad():
+        for var, pieces in by_var.items():
+            initializer = TableInitializer.from_json(initializers[str(var)])
+            for step in initializer.steps:  # this ps's torch must draw as the worker's
+                if step["op"] in RANDOM_STEPS and not chunking_holds(step["op"],
+                                                                      initializer.dtype):
+                    raise RuntimeError(f"this ps's torch {torch.__version__} draws "
+                                       f"{step['op']}_ in chunks otherwise than whole; run "
+                                       "the job with serve_embedding_rows false")
+            initializer.fill(pieces)
+    return made
 
 
 def _overlapping(sources: list[dict], var: int, start: int, stop: int):
