@@ -194,18 +194,19 @@ class ParameterServerClient:
                        for k, rows in enumerate(writes) if rows})
 
     def push_pull(self, pushes: list[Push | None], settings: list[dict],
-                  values: list[list[torch.Tensor]], count_on: int) -> None:
+                  values: list[list[torch.Tensor]], count_on: int, optimizer: int = 0) -> None:
         """Send each ps its gradients (``pushes[k]``, one request carrying all of this
         step's tables and variables), every ps at once, and take the new values of the
         shards it serves whole (into ``values[k]``). ``settings``: each param group's
         hyperparameters now (a schedule's changes reach the ps); ``count_on``: the ps
-        that counts the step in the job's books (one per push, where it is applied)."""
+        that counts the step in the job's books (one per push, where it is applied), or
+        -1: none; ``optimizer``: which of the worker's optimizers steps (its key)."""
         messages = {}
         for k, push in enumerate(pushes):
             if push is None:
                 continue
             meta = {"dense": [i for i, _ in push.dense], "settings": settings,
-                    "count": k == count_on,
+                    "count": k == count_on, "optimizer": optimizer,
                     "rows": [[i, len(ids), mode] for i, ids, _, mode in push.rows]}
             ids = torch.cat([ids for _, ids, _, _ in push.rows]) if push.rows else \
                 torch.empty(0, dtype=torch.int64)
@@ -216,7 +217,7 @@ class ParameterServerClient:
             for k, reply in replies.items():
                 if values[k]:
                     unflatten_into(values[k], reply)
-        self.steps += 1
+        self.steps += optimizer == 0  # a training step: its first optimizer's push
 
     def pull(self, values: list[list[torch.Tensor]]) -> None:
         replies = self.exchange({k: (PULL, []) for k in range(self.num_ps) if values[k]})

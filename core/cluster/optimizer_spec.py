@@ -11,6 +11,7 @@ the ps cannot import, is refused before training.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 
@@ -90,6 +91,24 @@ def _resolve(path: str):
     for part in name.split("."):
         value = getattr(value, part, None)
     return value
+
+
+def built(cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """``cls`` over ``groups`` (each with all its settings) with the worker's
+    ``defaults``: passed as keywords where ``__init__`` takes them (AdamW's defaults hold
+    Adam's ``decoupled_weight_decay``, which AdamW's ``__init__`` does not take), the rest
+    set afterwards."""
+    try:
+        taken = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        taken = {}
+    if any(p.kind is p.VAR_KEYWORD for p in taken.values()):
+        keywords = defaults
+    else:
+        keywords = {k: v for k, v in defaults.items() if k in taken}
+    optimizer = cls(groups, **keywords)
+    optimizer.defaults.update(defaults)
+    return optimizer
 
 
 def apply_settings(optimizer: torch.optim.Optimizer, group_index: list[int],

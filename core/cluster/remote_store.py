@@ -21,6 +21,7 @@ from .coordinator import JobCoordinator
 from .deferred_table import DeferredTable, deferred_tables
 from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, is_lookup,
                                serve_by_rows, sparse_update_problem, table_label, unservable)
+from .combined_optimizer import CombinedOptimizer
 from .optimizer_spec import group_settings, optimizer_spec
 from .plan import ShardingPlan
 from .sharded_variable import Partitioner
@@ -46,8 +47,10 @@ class RemoteParameterStore(ParameterStore):
         self.plan: ShardingPlan | None = None
         self.dtypes: list[str] = []   # each variable's, as the checkpoint index spells it
         self._ids: dict = {}          # central tensor -> variable id (creation order)
-        self._optimizer = None
-        self._sent_settings: list[dict] | None = None  # the groups' settings the ps have
+        # the worker's optimizers, each built on the ps over its own variables (key: its
+        # place here), and the groups' settings the ps have of each
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._sent_settings: list[list[dict]] = []
         self.colocations: dict = {}   # tensor -> tensor whose ps it must share
         self.tables: dict[int, RowTable] = {}  # var id -> served by rows
         self._sparse: set[int] = set()         # var ids of sparse=True modules
@@ -235,22 +238,26 @@ class RemoteParameterStore(ParameterStore):
     # -- updates ---------------------------------------------------------------------------
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.flush_pending()
+        if isinstance(optimizer, CombinedOptimizer):
+            return  # each of its optimizers pushes its own, as it steps
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(self.owns(p) for p in params):
             return
-        self.ensure_optimizer(optimizer)
+        key = self.ensure_optimizer(optimizer)
         pushes = [Push() if holds else None for holds in self.holding]
         for p in params:
             if p.grad is not None and p in self._ids:
                 self._add_push(pushes, self._ids[p], p.grad)
         settings = group_settings(optimizer)
-        changed = settings != self._sent_settings  # a schedule changed them: they travel
+        changed = settings != self._sent_settings[key]  # a schedule changed them: they travel
+        # the job's step is counted once, at its first optimizer's push
         self.client.push_pull(pushes, settings if changed else [], self._whole,
-                              self._counting_ps)
-        self._sent_settings = settings
+                              self._counting_ps if key == 0 else -1, key)
+        self._sent_settings[key] = settings
         for p in params:  # updated remotely: the local step must do nothing
             p.grad = None
-        self.coordinator.stepped()
+        if key == 0:
+            self.coordinator.stepped()
 
     def _add_push(self, pushes: list[Push], var: int, grad: torch.Tensor) -> None:
         """A variable's gradient to the ps tasks of its shards: dense slices, or (row
@@ -272,22 +279,38 @@ class RemoteParameterStore(ParameterStore):
                 piece = grad[shard.start:shard.stop] if grad.dim() else grad
                 pushes[shard.ps].dense.append((shard.id, piece))
 
-    def ensure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Build ``optimizer``'s twin on every ps (once; its state lives there)."""
+    def ensure_optimizer(self, optimizer: torch.optim.Optimizer) -> int:
+        """Build ``optimizer``'s twin on every ps (once; its state lives there) over the
+        variables it trains; returns its key. A :class:`.CombinedOptimizer`: each of its
+        optimizers."""
         self.ensure_registered()
-        if self._optimizer is None:
-            check_sparse_support(optimizer, [self._name(v) for v in sorted(self._sparse)])
-            groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
-                      for p in group["params"] if p in self._ids}
-            spec = optimizer_spec(optimizer, groups)
-            self.client.register_optimizer(spec)
-            self._optimizer, self._sent_settings = optimizer, spec["groups"]
-            for p in list(optimizer.state):  # kept on the ps: none of it here (Adagrad's
-                if id(p) in self._row_served:  # sums of a table are a table)
-                    del optimizer.state[p]
-        elif optimizer is not self._optimizer:
-            raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
-                               "its state lives on the parameter servers")
+        if isinstance(optimizer, CombinedOptimizer):
+            for inner in optimizer.optimizers:
+                self.ensure_optimizer(inner)
+            return -1
+        if any(optimizer is o for o in self._optimizers):
+            return next(k for k, o in enumerate(self._optimizers) if o is optimizer)
+        groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
+                  for p in group["params"] if p in self._ids}
+        taken = {self._ids[p] for o in self._optimizers for g in o.param_groups
+                 for p in g["params"] if p in self._ids}
+        if taken & set(groups):
+            raise RuntimeError(
+                f"{self._name(min(taken & set(groups)))} is trained by two optimizers "
+                f"({type(optimizer).__name__} and an earlier one); in a ParameterServerStrategy "
+                "job each variable's optimizer state lives on its ps: give each parameter "
+                "to one optimizer")
+        check_sparse_support(optimizer, [self._name(v) for v in sorted(self._sparse)
+                                         if v in groups])
+        key = len(self._optimizers)
+        spec = optimizer_spec(optimizer, groups, key)
+        self.client.register_optimizer(spec)
+        self._optimizers.append(optimizer)
+        self._sent_settings.append(spec["groups"])
+        for p in list(optimizer.state):  # kept on the ps: none of it here (Adagrad's
+            if id(p) in self._row_served:  # sums of a table are a table)
+                del optimizer.state[p]
+        return key
 
     def _name(self, var: int) -> str:
         tensor = next(t for t, i in self._ids.items() if i == var)
