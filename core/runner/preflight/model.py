@@ -165,17 +165,20 @@ def check_sparse_in_ps(model, built: torch.nn.Module, strategy, optimizer) -> li
         return []
     sparse = [f"{name}.weight" if name else "weight" for name, m in built.named_modules()
               if getattr(m, "sparse", False) is True]
+    where, groups_of = "optimizer", getattr(optimizer, "param_groups", [])
+    if getattr(optimizer, "tables", None) is not None:  # the tables' own optimizer
+        where, optimizer, groups_of = "optimizer.tables", optimizer.tables, []
     cls = getattr(torch.optim, optimizer.name, None)
-    if not sparse or not isinstance(cls, type):
+    if not sparse or not isinstance(cls, type) or optimizer.target is not None:
         return []
     base = {"lr": optimizer.lr, **optimizer.kwargs}
-    groups = [base] + [{**base, **group.options()} for group in optimizer.param_groups]
+    groups = [base] + [{**base, **group.options()} for group in groups_of]
     why = sparse_update_problem(cls, groups)
     if why is None:
         return []
-    field = "optimizer.name" if optimizer.name not in SPARSE_OPTIMIZERS else \
-        "optimizer.param_groups" if sparse_update_problem(cls, [base]) is None \
-        else "optimizer.kwargs"
+    field = f"{where}.name" if optimizer.name not in SPARSE_OPTIMIZERS else \
+        f"{where}.param_groups" if sparse_update_problem(cls, [base]) is None \
+        else f"{where}.kwargs"
     return [Problem(field, f"{', '.join(sparse[:3])} get sparse gradients (sparse=True), "
                     f"which {optimizer.name} with these settings cannot apply on the ps "
                     f"tasks ({why})",
