@@ -38,6 +38,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
         # the inner groups themselves (add_param_group keeps each dict): one setting, one
         # place; torch refuses a parameter in two of them
         super().__init__([g for o in self.optimizers for g in o.param_groups], {})
+        # what every one of them has (schedules read defaults: OneCycleLR cycles beta1
+        # when "betas" is there, which must then be in every group)
+        first, *rest = self.optimizers
+        self.defaults = {k: v for k, v in first.defaults.items()
+                         if all(k in o.defaults for o in rest)}
 
     @torch.no_grad()
     def step(self, closure=None):

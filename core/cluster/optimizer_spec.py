@@ -117,8 +117,10 @@ def apply_settings(optimizer: torch.optim.Optimizer, group_index: list[int],
     worker's ``settings`` of that group."""
     for group, index in zip(optimizer.param_groups, group_index):
         if index < len(settings):
+            # every key, new ones too: a user's optimizer may read a key that its code or
+            # a schedule adds to a group after the first step
             for key, value in settings_from_json(settings[index]).items():
-                if key in group:
+                if key not in ("params", "param_names"):
                     group[key] = value
 
 

@@ -143,6 +143,8 @@ def test_a_combined_optimizer_is_one_optimizer_for_schedules_and_checkpoints():
     _train(CentralStorageStrategy(["CPU:0"]), model, [optimizer], _batches(1))
     schedule.step()
     assert [g["lr"] for o in optimizer.optimizers for g in o.param_groups] == [0.025, 0.005]
+    assert optimizer.defaults["betas"] == (0.9, 0.999)  # both have them: schedules see them
+    assert "weight_decay" not in optimizer.defaults  # SparseAdam has none
     state = optimizer.state_dict()
     again = CombinedOptimizer(Net().split())
     again.load_state_dict(state)
@@ -153,3 +155,28 @@ def test_a_combined_optimizer_is_one_optimizer_for_schedules_and_checkpoints():
     with pytest.raises(ValueError, match="more than one parameter group"):
         CombinedOptimizer([torch.optim.SGD(model.parameters(), lr=1.0),
                            torch.optim.SGD(model.head.parameters(), lr=1.0)])
+
+
+def _scheduled(strategy, steps=4):
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = Net()
+        optimizer = CombinedOptimizer(model.split())
+    # OneCycleLR cycles lr and beta1 of every group: SparseAdam's and AdamW's
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[0.1, 0.02],
+                                                   total_steps=steps, cycle_momentum=True)
+    for batch in _batches(steps):
+        _train(strategy, model, [optimizer], [batch])
+        schedule.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_schedule_over_both_optimizers_reaches_both_on_the_ps():
+    expected = _scheduled(CentralStorageStrategy(["CPU:0"]))
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(2)) as cluster:
+        got = _scheduled(cluster.strategy)
+        held = [s.shards for s in cluster.servers]
+        betas = {type(o).__name__: o.param_groups[0]["betas"][0]
+                 for s in held for o in s._optimizers.values() if o}
+    assert betas["SparseAdam"] != 0.9 and betas["AdamW"] != 0.9  # cycled there
+    _close(got, expected)
