@@ -27,7 +27,7 @@ def csrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(360)
 def test_the_jagged_example_trains_with_two_workers_and_two_ps(tmp_path):
     done = csrun("launch", "ps_jagged.yaml", "--workers", "2", "--ps", "2", "--json",
-                 str(tmp_path / "r.json"))
+                 str(tmp_path / "r.json"), f"checkpoint={{dir: {tmp_path / 'ckpt'}}}")
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "r.json").read_text())["result"]
     assert result["status"] == "completed"
@@ -37,6 +37,22 @@ def test_the_jagged_example_trains_with_two_workers_and_two_ps(tmp_path):
     assert cluster["global_step"] == 144
     assert result["metrics"]["eval_accuracy"] >= 0.7
     assert result["losses"][-1] < result["losses"][0]
+    # no table passes through the chief: its payload holds the dense part and an index,
+    # each ps wrote its own shards of the tables (and SparseAdam's moments) beside it
+    manifest = json.loads(sorted((tmp_path / "ckpt").glob("ckpt-*.json"))[-1].read_text())
+    payload = torch.load(tmp_path / "ckpt" / manifest["file"], weights_only=True)
+    tensors = [t for t in torch.utils._pytree.tree_leaves(payload)
+               if isinstance(t, torch.Tensor)]
+    assert tensors and not [t.shape for t in tensors  # no table (dim 8, >= 40 rows)
+                            if t.dim() == 2 and t.shape[1] == 8 and t.shape[0] >= 40]
+    shards = {}
+    stem = Path(manifest["file"]).stem
+    for path in (tmp_path / "ckpt").glob(f"{stem}.ps-*.safetensors"):
+        shards.update(safetensors.torch.load_file(path))
+    rows = sorted(t.shape[0] for k, t in shards.items() if "/" not in k and t.dim() == 2
+                  and t.shape[1] == 8)
+    assert sum(rows) == 200 + 500 + 40 and len(rows) == 6  # 3 tables, 2 shards each
+    assert any(k.endswith("/exp_avg_sq") for k in shards)
 
 
 @pytest.mark.timeout(360)
