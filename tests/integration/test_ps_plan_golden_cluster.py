@@ -25,17 +25,11 @@ SAMPLE = ["plan/ps2/round_robin/mixed", "plan/ps3/round_robin/mixed",
           "plan/ps3/fixed(3)/sequence", "plan/ps3/fixed(2)/rows1",
           "plan/ps3/min_size(16,4)/[10, 4]/float32", "plan/ps2/custom([2])/[4, 4]",
           "plan/ps2/custom([2, 1])/[4, 4]"]
-# csrun's answers that differ today (see KNOWN_DIFFERENCES in test_ps_plan_golden.py)
+# csrun's answers that differ today (see KNOWN_DIFFERENCES in test_ps_plan_golden.py; the
+# others were fixed with the cluster rewrite: their strict xfails passed)
 KNOWN_DIFFERENCES = {
-    "plan/ps2/round_robin/zero_rows": "zero rows: csrun raises IndexError at registration",
-    "plan/ps3/colocate/issue_37": "colocated variables count in csrun's round-robin",
-    "plan/ps4/colocate/chain": "colocated variables count in csrun's round-robin",
-    "plan/ps2/colocate/interleaved": "colocated variables count in csrun's round-robin",
-    "plan/ps3/colocate/fixed(2)/with_whole": "colocated variables count in csrun's round-robin",
     "plan/ps2/colocate/fixed(2)/with_partitioned":
         "colocated with a partitioned variable: TF on the coordinator, csrun on its first ps",
-    "plan/ps2/custom([2])/[4, 4]": "csrun refuses a custom result TF accepts ([2] for [4, 4])",
-    "plan/ps2/custom([2, 1])/[4, 4]": "csrun refuses a custom result TF accepts ([2, 1] for [3])",
 }
 
 
