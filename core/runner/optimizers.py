@@ -51,6 +51,11 @@ def optimizer_class(config: "OptimizerConfig | TableOptimizerConfig",
     return import_object(config.target, f"{where}.target")
 
 
+NO_TABLES = Problem("optimizer.tables", "the model has no nn.Embedding or nn.EmbeddingBag "
+                    "for it to train", "remove optimizer.tables, or build the tables with "
+                    "torch.nn's Embedding/EmbeddingBag")
+
+
 def table_parameters(model: torch.nn.Module) -> set[str]:
     """The names of the embedding tables' weights (every ``nn.Embedding`` and
     ``nn.EmbeddingBag``): what ``optimizer.tables`` trains."""
@@ -98,10 +103,7 @@ def build_optimizer(config: "OptimizerConfig", params: Iterable,
     tables = set(tables)
     named = [(n, p) for n, p in params] if params and isinstance(params[0], tuple) else []
     if not any(n in tables for n, _ in named):
-        raise ConfigError([Problem("optimizer.tables", "the model has no nn.Embedding or "
-                                   "nn.EmbeddingBag for it to train", "remove "
-                                   "optimizer.tables, or build the tables with torch.nn's "
-                                   "Embedding/EmbeddingBag")])
+        raise ConfigError([NO_TABLES])
     dense = [(n, p) for n, p in named if n not in tables]
     table_optimizer = _built(config.tables, [p for n, p in named if n in tables],
                              "optimizer.tables")

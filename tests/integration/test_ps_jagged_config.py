@@ -74,3 +74,26 @@ def test_one_workers_jagged_job_ends_as_central_storage_with_the_same_optimizers
     assert set(got) == set(expected) and "tables.tables.item.weight" in got
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(420)
+def test_a_resumed_job_with_per_table_optimizers_ends_as_one_straight_run(tmp_path):
+    """SparseAdam's and AdamW's slots and step counts are checkpointed by shard (1 ps)
+    and restored into another sharding (2 ps): the same params_sha256 as a straight run."""
+    def train(steps: int) -> str:
+        return f"train={{steps: {steps}, seed: 0, log_every: 6}}"
+
+    ckpt = f"checkpoint={{dir: {tmp_path / 'ckpt'}, every_steps: 6}}"
+    done = csrun("launch", "ps_jagged.yaml", "--workers", "1", "--ps", "1", train(12), ckpt,
+                 "strategy.variable_partitioner=null")
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = csrun("launch", "ps_jagged.yaml", "--workers", "1", "--ps", "2", train(24), ckpt,
+                 "--resume", "--json", str(tmp_path / "resumed.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 18/24" in done.stdout and "step 6/24" not in done.stdout
+    done = csrun("launch", "ps_jagged.yaml", "--workers", "1", "--ps", "2", train(24),
+                 "--json", str(tmp_path / "straight.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed, straight = (json.loads((tmp_path / f"{n}.json").read_text())["result"]
+                         for n in ("resumed", "straight"))
+    assert resumed["params_sha256"] == straight["params_sha256"]

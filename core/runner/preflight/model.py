@@ -23,6 +23,7 @@ from ...distribute.device_lib import memory_bytes
 from ...distribute.devices import default_compute_devices, default_parameter_device, resolve_device
 from ...distribute.values import map_structure
 from ..models import build_model, check_model, model_bytes, resolve_loss, tensor_bytes
+from ..optimizers import NO_TABLES, table_parameters
 from ..objectives import NamedLoss, is_loss_function, make_objective, not_a_tensor
 from .devices import gib
 
@@ -45,7 +46,15 @@ def check_model_on_data(model, data, dataset, strategy, optimizer=None) -> list[
     with torch.device("meta"):  # built once for the checks that read its tensors
         built = build_model(model, data.feature_shape, data.outputs)
     return check_model_memory(model, built, data, strategy) or \
+        _check_tables_optimizer(built, optimizer) or \
         check_sparse_in_ps(model, built, strategy, optimizer)
+
+
+def _check_tables_optimizer(built: torch.nn.Module, optimizer) -> list[Problem]:
+    """``optimizer.tables`` for a model without tables would train nothing."""
+    if getattr(optimizer, "tables", None) is None or table_parameters(built):
+        return []
+    return [NO_TABLES]
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
