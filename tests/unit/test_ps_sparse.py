@@ -144,3 +144,13 @@ def test_a_tables_optimizer_the_class_refuses_is_a_config_problem(tagger):
         load_config_text(text.replace("SparsAdam}", "SparseAdam, kwargs: {momentum: 0.9}}"),
                          "c.yaml")
     assert [p.path for p in caught.value.problems] == ["optimizer.tables.kwargs"]
+
+
+def test_sparse_adam_for_tables_built_dense_is_refused_before_training(tagger):
+    text = CONFIG.format(kind="central_storage", sparse="false").replace(
+        "{name: SGD, lr: 0.1}", "{name: AdamW, lr: 0.1, tables: {name: SparseAdam}}")
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text, "c.yaml")
+    (problem,) = [p for p in caught.value.problems if p.path == "optimizer.tables.name"]
+    assert "table.weight get dense ones (built with sparse=False)" in problem.message
+    load_config_text(text.replace("SparseAdam", "Adagrad"), "c.yaml")

@@ -52,9 +52,19 @@ def check_model_on_data(model, data, dataset, strategy, optimizer=None) -> list[
 
 def _check_tables_optimizer(built: torch.nn.Module, optimizer) -> list[Problem]:
     """``optimizer.tables`` for a model without tables would train nothing."""
-    if getattr(optimizer, "tables", None) is None or table_parameters(built):
+    tables = getattr(optimizer, "tables", None)
+    if tables is None:
         return []
-    return [NO_TABLES]
+    if not table_parameters(built):
+        return [NO_TABLES]
+    dense = [f"{name}.weight" if name else "weight" for name, m in built.named_modules()
+             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse]
+    if tables.target is None and tables.name == "SparseAdam" and dense:
+        return [Problem("optimizer.tables.name", f"SparseAdam takes only sparse gradients, "
+                        f"and {', '.join(dense[:3])} get dense ones (built with "
+                        "sparse=False)", "build the tables with sparse=True, or use "
+                        "Adagrad or SGD (sparse and dense gradients alike)")]
+    return []
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
