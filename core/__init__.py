@@ -24,7 +24,7 @@ aggregation
 
 import importlib.metadata as _metadata
 
-from .cluster import (ClusterResolver, ClusterSpec, EmbeddingBagCollection,
+from .cluster import (ClusterResolver, ClusterSpec, CombinedOptimizer, EmbeddingBagCollection,
                       FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner,
                       ParameterServerStrategy, Partitioner, SimpleClusterResolver, TFConfigClusterResolver,
                       TorchrunClusterResolver)
@@ -46,7 +46,7 @@ __all__ = ["ParameterServerStrategy", "ClusterSpec", "ClusterResolver", "SimpleC
            "TFConfigClusterResolver", "TorchrunClusterResolver", "Partitioner",
            "FixedShardsPartitioner", "MinSizePartitioner", "MaxSizePartitioner",
            "EmbeddingBagCollection",
-           "JaggedTensor"]
+           "JaggedTensor", "CombinedOptimizer"]
 __all__ += distribute.__all__  # the engine's names, listed once, in csrun.core.distribute
 
 # the installed distribution's version: one number, kept in pyproject.toml

@@ -6,6 +6,7 @@ transport, the resolvers, and ``ParameterServerStrategy``. Imports only from
 :mod:`csrun.core.distribute` below it.
 """
 
+from .combined_optimizer import CombinedOptimizer
 from .embedding_collection import EmbeddingBagCollection
 from .launchers import TorchrunClusterResolver
 from .parameter_server_strategy import ParameterServerStrategy
@@ -26,4 +27,5 @@ __all__ = [
     "MinSizePartitioner",
     "MaxSizePartitioner",
     "EmbeddingBagCollection",
+    "CombinedOptimizer",
 ]

@@ -150,19 +150,25 @@ class ParameterServerClient:
 
     # -- variables -------------------------------------------------------------------------
     def register(self, held: list[list[tuple[Shard, torch.Tensor, dict]]],
-                 whole: list[list[torch.Tensor]]) -> None:
+                 whole: list[list[torch.Tensor]], initializers: dict | None = None) -> None:
         """Offer each ps its shards (``(shard, values, flags)``) and take the values it
         holds for those served whole (``whole[k]``: where they go). Values travel only
         when the ps asks for them: the first worker's initialize a shard, later workers
-        take the ps's."""
+        take the ps's. A shard flagged ``init`` has none: the ps makes it from its
+        variable's ``initializers[var]`` (:mod:`.initializers`), or leaves it to a
+        restore (``init: restored``)."""
         metas = {k: {"shards": [{"id": s.id, "var": s.var, "start": s.start,
                                  "shape": list(t.shape), **flags,
                                  "dtype": str(t.dtype).replace("torch.", "")}
                                 for s, t, flags in shards]}
                  for k, shards in enumerate(held) if shards}
         replies = self.exchange({k: (REGISTER, [encode(meta)]) for k, meta in metas.items()})
-        wanted = {k: (REGISTER, _with_values(metas[k], [t for _, t, _ in held[k]]))
-                  for k, reply in replies.items() if decode(reply[0])["need_values"]}
+        initializers = initializers or {}
+        wanted = {k: (REGISTER, _with_values(
+            {**metas[k], "initializers": {str(s.var): initializers[s.var]
+                                          for s, _, f in held[k] if f.get("init") == "steps"}},
+            [t for _, t, f in held[k] if not f.get("init")]))
+            for k, reply in replies.items() if decode(reply[0])["need_values"]}
         replies.update(self.exchange(wanted))
         with torch.no_grad():
             for k, reply in replies.items():
@@ -203,18 +209,19 @@ class ParameterServerClient:
                        for k, rows in enumerate(writes) if rows})
 
     def push_pull(self, pushes: list[Push | None], settings: list[dict],
-                  values: list[list[torch.Tensor]], count_on: int) -> None:
+                  values: list[list[torch.Tensor]], count_on: int, optimizer: int = 0) -> None:
         """Send each ps its gradients (``pushes[k]``, one request carrying all of this
         step's tables and variables), every ps at once, and take the new values of the
         shards it serves whole (into ``values[k]``). ``settings``: each param group's
         hyperparameters now (a schedule's changes reach the ps); ``count_on``: the ps
-        that counts the step in the job's books (one per push, where it is applied)."""
+        that counts the step in the job's books (one per push, where it is applied), or
+        -1: none; ``optimizer``: which of the worker's optimizers steps (its key)."""
         messages = {}
         for k, push in enumerate(pushes):
             if push is None:
                 continue
             meta = {"dense": [i for i, _ in push.dense], "settings": settings,
-                    "count": k == count_on,
+                    "count": k == count_on, "optimizer": optimizer,
                     "rows": [[i, len(ids), mode] for i, ids, _, mode in push.rows]}
             ids = torch.cat([ids for _, ids, _, _ in push.rows]) if push.rows else \
                 torch.empty(0, dtype=torch.int64)
@@ -225,7 +232,7 @@ class ParameterServerClient:
             for k, reply in replies.items():
                 if values[k]:
                     unflatten_into(values[k], reply)
-        self.steps += 1
+        self.steps += optimizer == 0  # a training step: its first optimizer's push
 
     def pull(self, values: list[list[torch.Tensor]]) -> None:
         replies = self.exchange({k: (PULL, []) for k in range(self.num_ps) if values[k]})

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..distribute import torch_internals
 
 __all__ = ["SPARSE_OPTIMIZERS", "RowTable", "ServedModel", "find_tables", "serve_by_rows",
-           "sparse_update_problem", "table_label"]
+           "sparse_update_problem", "table_label", "unservable", "is_lookup", "served_tables"]
 
 # torch optimizers with a sparse update (checked against torch by the tests)
 SPARSE_OPTIMIZERS = ("SGD", "Adagrad", "SparseAdam")
@@ -55,12 +55,15 @@ class RowTable:
 
     def read_all(self) -> torch.Tensor:
         with torch.no_grad():
-            return self._read_all()
+            rows = list(self.read_chunks())
+        return torch.cat(rows) if rows else torch.empty(self.shape, dtype=self.dtype)
 
-    def _read_all(self) -> torch.Tensor:
-        rows = [self.fetch(torch.arange(a, min(a + READ_CHUNK_ROWS, self.shape[0])))
-                for a in range(0, self.shape[0], READ_CHUNK_ROWS)]
-        return torch.cat(rows) if rows else torch.empty(self.shape)
+    def read_chunks(self):
+        """The table's rows in order, ``READ_CHUNK_ROWS`` at a time (a digest of it
+        holds no more than that at once)."""
+        with torch.no_grad():
+            for a in range(0, self.shape[0], READ_CHUNK_ROWS):
+                yield self.fetch(torch.arange(a, min(a + READ_CHUNK_ROWS, self.shape[0])))
 
 
 def sparse_update_problem(cls: type, groups: list[dict]) -> str | None:
@@ -97,17 +100,31 @@ def find_tables(modules) -> tuple[dict[int, torch.nn.Module], list[str]]:
         if not isinstance(module, _LOOKUP_MODULES) or module.weight is None:
             continue
         weight, label = module.weight, table_label(module)
-        own = type(module).forward is (torch.nn.EmbeddingBag.forward if isinstance(
-            module, torch.nn.EmbeddingBag) else torch.nn.Embedding.forward)
+        why = unservable(module)
         if uses[id(weight)] > 1:
             whole.append(f"{label}: its weight is also another module's (tied)")
-        elif not own:
-            whole.append(f"{label}: {type(module).__name__} has a forward of its own")
-        elif module.max_norm is not None:
-            whole.append(f"{label}: max_norm renormalizes looked-up rows in place")
+        elif why is not None:
+            whole.append(f"{label}: {why}")
         else:
             tables[id(weight)] = module
     return tables, whole
+
+
+def unservable(module: torch.nn.Module) -> str | None:
+    """Why ``module`` (an Embedding or EmbeddingBag) cannot be served by rows whatever
+    else reads its weight, or None."""
+    own = type(module).forward is (torch.nn.EmbeddingBag.forward if isinstance(
+        module, torch.nn.EmbeddingBag) else torch.nn.Embedding.forward)
+    if not own:
+        return f"{type(module).__name__} has a forward of its own"
+    if module.max_norm is not None:
+        return "max_norm renormalizes looked-up rows in place"
+    return None
+
+
+def is_lookup(module: torch.nn.Module) -> bool:
+    """An ``nn.Embedding`` or ``nn.EmbeddingBag`` (a table that may be served by rows)."""
+    return isinstance(module, _LOOKUP_MODULES)
 
 
 class _Rows(torch.autograd.Function):
@@ -177,6 +194,13 @@ def bag(module: torch.nn.EmbeddingBag, inverse, rows, pad, offsets, per_sample_w
 
 _UNREAD = threading.local()  # .active: state_dict() leaves the served tables out
 _UNREAD.active = False
+
+
+def served_tables(model: torch.nn.Module) -> dict[str, RowTable]:
+    """The tables of ``model`` served by rows, by ``state_dict`` key."""
+    return {f"{name}.weight" if name else "weight": module.csrun_row_table
+            for name, module in model.named_modules()
+            if isinstance(getattr(module, "csrun_row_table", None), RowTable)}
 
 
 class ServedModel:

@@ -11,6 +11,7 @@ the ps cannot import, is refused before training.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 
@@ -92,14 +93,34 @@ def _resolve(path: str):
     return value
 
 
+def built(cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """``cls`` over ``groups`` (each with all its settings) with the worker's
+    ``defaults``: passed as keywords where ``__init__`` takes them (AdamW's defaults hold
+    Adam's ``decoupled_weight_decay``, which AdamW's ``__init__`` does not take), the rest
+    set afterwards."""
+    try:
+        taken = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        taken = {}
+    if any(p.kind is p.VAR_KEYWORD for p in taken.values()):
+        keywords = defaults
+    else:
+        keywords = {k: v for k, v in defaults.items() if k in taken}
+    optimizer = cls(groups, **keywords)
+    optimizer.defaults.update(defaults)
+    return optimizer
+
+
 def apply_settings(optimizer: torch.optim.Optimizer, group_index: list[int],
                    settings: list[dict]) -> None:
     """Set each of ``optimizer``'s groups (worker group ``group_index[i]``) to the
     worker's ``settings`` of that group."""
     for group, index in zip(optimizer.param_groups, group_index):
         if index < len(settings):
+            # every key, new ones too: a user's optimizer may read a key that its code or
+            # a schedule adds to a group after the first step
             for key, value in settings_from_json(settings[index]).items():
-                if key in group:
+                if key not in ("params", "param_names"):
                     group[key] = value
 
 

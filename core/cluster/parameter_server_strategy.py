@@ -195,7 +195,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         csrun), e.g. the chief's restored step.
         """
         store = self._remote()
-        store.ensure_registered()
+        store.ensure_registered(initialize=False)  # the state loaded next holds every value
         if optimizer is not None:
             store.ensure_optimizer(optimizer)
         if not (isinstance(states, dict) and states.get("format") == FORMAT) and \
@@ -234,7 +234,7 @@ class ParameterServerClusterExtended(ParameterServerStrategyExtended):
         is checked first (:func:`.shard_index.check_index`; ``path`` names the
         checkpoint in its errors)."""
         store = self._remote()
-        store.ensure_registered()
+        store.ensure_registered(initialize=False)  # the checkpoint writes every row
         if optimizer is not None:
             store.ensure_optimizer(optimizer)
         check_index(index, store.plan, store.dtypes, self._worker_tasks, listed, path)

@@ -18,8 +18,10 @@ from ..distribute import context
 from ..distribute.parameters import ParameterStore
 from .client import ParameterServerClient, Push
 from .coordinator import JobCoordinator
-from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, serve_by_rows,
-                               sparse_update_problem, table_label)
+from .deferred_table import DeferredTable, deferred_tables
+from .embedding_lookup import (SPARSE_OPTIMIZERS, RowTable, find_tables, is_lookup,
+                               serve_by_rows, sparse_update_problem, table_label, unservable)
+from .combined_optimizer import CombinedOptimizer
 from .optimizer_spec import group_settings, optimizer_spec
 from .plan import ShardingPlan
 from .sharded_variable import Partitioner
@@ -45,8 +47,10 @@ class RemoteParameterStore(ParameterStore):
         self.plan: ShardingPlan | None = None
         self.dtypes: list[str] = []   # each variable's, as the checkpoint index spells it
         self._ids: dict = {}          # central tensor -> variable id (creation order)
-        self._optimizer = None
-        self._sent_settings: list[dict] | None = None  # the groups' settings the ps have
+        # the worker's optimizers, each built on the ps over its own variables (key: its
+        # place here), and the groups' settings the ps have of each
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._sent_settings: list[list[dict]] = []
         self.colocations: dict = {}   # tensor -> tensor whose ps it must share
         self.tables: dict[int, RowTable] = {}  # var id -> served by rows
         self._sparse: set[int] = set()         # var ids of sparse=True modules
@@ -60,9 +64,24 @@ class RemoteParameterStore(ParameterStore):
         self.ensure_registered()
         return super().begin_run(reads)
 
-    def ensure_registered(self) -> None:
+    def stand_in(self, module, name: str, param: torch.Tensor) -> torch.Tensor | None:
+        """A table that will be served by rows is not made here: its weight is a
+        stand-in that records its initialization, which the ps tasks run by shard at
+        registration (:mod:`.deferred_table`)."""
+        if (name != "weight" or not is_lookup(module) or not self.serve_embedding_rows
+                or any(self.copies) or unservable(module) is not None
+                or isinstance(param, DeferredTable) or param.device.type != "cpu"
+                or not param.is_floating_point() or param.dim() != 2
+                or context.current_entry().replica is not None):
+            return None
+        return DeferredTable.standing_for(
+            param, f"{type(module).__name__}({param.shape[0]}, {param.shape[1]})")
+
+    def ensure_registered(self, initialize: bool = True) -> None:
         """Give every new variable an id and shards on the ps tasks; the first worker's
-        values win. Lookup tables are then served by rows and freed here."""
+        values win. Lookup tables are then served by rows and freed here; those still
+        deferred are made by the ps tasks, by shard (``initialize=False``: a checkpoint
+        writes them next, nothing to run)."""
         tensors = self.tensors()
         if len(tensors) == len(self._ids):
             return
@@ -77,15 +96,26 @@ class RemoteParameterStore(ParameterStore):
         tables = self._tables_to_serve(modules, tensors, index)
         self._sparse = {index[m.weight] for m in modules
                         if getattr(m, "sparse", False) is True and m.weight in index}
+        deferred = self._deferred(tensors, index, tables)
         held: list[list] = [[] for _ in range(self.client.num_ps)]
         self._whole = [[] for _ in range(self.client.num_ps)]
         for shard in self.plan.shards:
-            tensor = tensors[shard.var]
-            piece = tensor.detach()[shard.start:shard.stop] if tensor.dim() else tensor.detach()
-            held[shard.ps].append((shard, piece, {"rows": shard.var in tables}))
+            tensor, flags = tensors[shard.var], {"rows": shard.var in tables}
+            if shard.var in deferred:  # made there: its shape travels, no value
+                piece = torch.empty((shard.stop - shard.start, *tensor.shape[1:]),
+                                    dtype=tensor.dtype, device="meta")
+                flags["init"] = "steps" if initialize else "restored"
+            else:
+                piece = tensor.detach()[shard.start:shard.stop] if tensor.dim() else \
+                    tensor.detach()
+            held[shard.ps].append((shard, piece, flags))
             if shard.var not in tables:
                 self._whole[shard.ps].append(piece)
-        self.client.register(held, self._whole)
+        self.client.register(held, self._whole, {
+            var: table.initializer.to_json() for var, table in deferred.items()
+            if initialize})
+        for table in deferred.values():
+            table.served()
         self.holding = [bool(shards) for shards in held]  # the ps tasks a push goes to
         self._counting_ps = self.holding.index(True)
         for var, module in tables.items():
@@ -98,6 +128,18 @@ class RemoteParameterStore(ParameterStore):
             serve_by_rows(module, self.tables[var])
         # never served ahead to a replica: a read of one there is refused (check_device)
         self.serve_when_read(self._row_served)
+
+    @staticmethod
+    def _deferred(tensors, index, tables) -> dict[int, DeferredTable]:
+        """The deferred tables the ps tasks make (var id -> stand-in); one served whole,
+        or given its values, is built here first (:meth:`DeferredTable.materialize`)."""
+        deferred = {}
+        for table in deferred_tables(tensors):
+            if index[table] in tables and table.initializer.given is None:
+                deferred[index[table]] = table
+            else:
+                table.materialize()
+        return deferred
 
     def _tables_to_serve(self, modules, tensors, index) -> dict[int, torch.nn.Module]:
         """The lookup tables to serve by rows (var id -> module); says once which are
@@ -196,22 +238,26 @@ class RemoteParameterStore(ParameterStore):
     # -- updates ---------------------------------------------------------------------------
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.flush_pending()
+        if isinstance(optimizer, CombinedOptimizer):
+            return  # each of its optimizers pushes its own, as it steps
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(self.owns(p) for p in params):
             return
-        self.ensure_optimizer(optimizer)
+        key = self.ensure_optimizer(optimizer)
         pushes = [Push() if holds else None for holds in self.holding]
         for p in params:
             if p.grad is not None and p in self._ids:
                 self._add_push(pushes, self._ids[p], p.grad)
         settings = group_settings(optimizer)
-        changed = settings != self._sent_settings  # a schedule changed them: they travel
+        changed = settings != self._sent_settings[key]  # a schedule changed them: they travel
+        # the job's step is counted once, at its first optimizer's push
         self.client.push_pull(pushes, settings if changed else [], self._whole,
-                              self._counting_ps)
-        self._sent_settings = settings
+                              self._counting_ps if key == 0 else -1, key)
+        self._sent_settings[key] = settings
         for p in params:  # updated remotely: the local step must do nothing
             p.grad = None
-        self.coordinator.stepped()
+        if key == 0:
+            self.coordinator.stepped()
 
     def _add_push(self, pushes: list[Push], var: int, grad: torch.Tensor) -> None:
         """A variable's gradient to the ps tasks of its shards: dense slices, or (row
@@ -233,22 +279,38 @@ class RemoteParameterStore(ParameterStore):
                 piece = grad[shard.start:shard.stop] if grad.dim() else grad
                 pushes[shard.ps].dense.append((shard.id, piece))
 
-    def ensure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Build ``optimizer``'s twin on every ps (once; its state lives there)."""
+    def ensure_optimizer(self, optimizer: torch.optim.Optimizer) -> int:
+        """Build ``optimizer``'s twin on every ps (once; its state lives there) over the
+        variables it trains; returns its key. A :class:`.CombinedOptimizer`: each of its
+        optimizers."""
         self.ensure_registered()
-        if self._optimizer is None:
-            check_sparse_support(optimizer, [self._name(v) for v in sorted(self._sparse)])
-            groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
-                      for p in group["params"] if p in self._ids}
-            spec = optimizer_spec(optimizer, groups)
-            self.client.register_optimizer(spec)
-            self._optimizer, self._sent_settings = optimizer, spec["groups"]
-            for p in list(optimizer.state):  # kept on the ps: none of it here (Adagrad's
-                if id(p) in self._row_served:  # sums of a table are a table)
-                    del optimizer.state[p]
-        elif optimizer is not self._optimizer:
-            raise RuntimeError("a ParameterServerStrategy job trains with one optimizer; "
-                               "its state lives on the parameter servers")
+        if isinstance(optimizer, CombinedOptimizer):
+            for inner in optimizer.optimizers:
+                self.ensure_optimizer(inner)
+            return -1
+        if any(optimizer is o for o in self._optimizers):
+            return next(k for k, o in enumerate(self._optimizers) if o is optimizer)
+        groups = {self._ids[p]: g for g, group in enumerate(optimizer.param_groups)
+                  for p in group["params"] if p in self._ids}
+        taken = {self._ids[p] for o in self._optimizers for g in o.param_groups
+                 for p in g["params"] if p in self._ids}
+        if taken & set(groups):
+            raise RuntimeError(
+                f"{self._name(min(taken & set(groups)))} is trained by two optimizers "
+                f"({type(optimizer).__name__} and an earlier one); in a ParameterServerStrategy "
+                "job each variable's optimizer state lives on its ps: give each parameter "
+                "to one optimizer")
+        check_sparse_support(optimizer, [self._name(v) for v in sorted(self._sparse)
+                                         if v in groups])
+        key = len(self._optimizers)
+        spec = optimizer_spec(optimizer, groups, key)
+        self.client.register_optimizer(spec)
+        self._optimizers.append(optimizer)
+        self._sent_settings.append(spec["groups"])
+        for p in list(optimizer.state):  # kept on the ps: none of it here (Adagrad's
+            if id(p) in self._row_served:  # sums of a table are a table)
+                del optimizer.state[p]
+        return key
 
     def _name(self, var: int) -> str:
         tensor = next(t for t, i in self._ids.items() if i == var)

@@ -19,7 +19,9 @@ import threading
 
 import torch
 
-from .optimizer_spec import (OptimizerRefused, apply_settings, optimizer_class, sparse_exact)
+from .initializers import RANDOM_STEPS, TableInitializer, chunking_holds
+from .optimizer_spec import (OptimizerRefused, apply_settings, built, optimizer_class,
+                             sparse_exact)
 from .shard_files import ShardFile, ShardFileError, write_file
 from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
 
@@ -53,9 +55,13 @@ class HeldShards:
         self._vars: dict[int, torch.Tensor] = {}   # shard id -> its rows
         self._specs: dict[int, dict] = {}          # shard id -> var, start, rows?, group
         self._whole: list[torch.Tensor] = []       # shards served whole, by id (pulled)
-        self._optimizer = None
-        self._group_index: list[int] = []          # the worker's group of each of ours
+        # the worker's optimizers by key (per-table optimizers: SparseAdam for the tables
+        # beside AdamW for the rest), each over the shards of its own variables
+        self._optimizers: dict[int, torch.optim.Optimizer | None] = {}  # None: none here
+        self._group_index: dict[int, list[int]] = {}  # key -> the worker's group of ours
         self._group_of: dict[int, dict] = {}       # id(shard) -> its optimizer group
+        self._owner: dict[int, torch.optim.Optimizer] = {}  # id(shard) -> its optimizer
+        self._made: dict[int, tuple] = {}          # key -> (class, its variables)
         self._sparse_exact: dict[int, bool] = {}      # id(group) -> sparse_exact()
         self._buffers: dict[int, torch.Tensor] = {}  # shard id -> dense gradient buffer
         self._lock = threading.Lock()
@@ -77,13 +83,16 @@ class HeldShards:
                 return {"need_values": False}
             if not meta.get("with_values"):
                 return {"need_values": True}
+            given = [v for v in specs if not v.get("init")]
             if meta["with_values"] == "per_shard":  # the received buffers themselves
-                variables = [f.view(v["shape"]) for v, f in zip(specs, flats)]  # id order
+                made = {v["id"]: f.view(v["shape"]) for v, f in zip(given, flats)}  # id order
             else:
-                variables = [torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
-                             for v in specs]
-                unflatten_into(variables, flats)
-            for spec, tensor in zip(specs, variables):
+                made = {v["id"]: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
+                        for v in given}
+                unflatten_into(list(made.values()), flats)
+            made.update(_initialized(specs, meta.get("initializers", {})))
+            for spec in specs:
+                tensor = made[spec["id"]]
                 self._vars[spec["id"]] = tensor.requires_grad_(tensor.is_floating_point())
                 self._specs[spec["id"]] = spec
             self._whole = [self._vars[i] for i in sorted(self._vars)
@@ -109,27 +118,45 @@ class HeldShards:
                     "model with the same strategy.variable_partitioner")
 
     def make_optimizer(self, spec: dict) -> None:
+        """Build the worker's optimizer ``spec["key"]`` over the shards of its variables
+        (once: every worker registers it)."""
+        key = int(spec.get("key", 0))
+        made = (spec["class"], sorted(int(v) for v in spec.get("var_groups", {})))
         with self._lock:
-            if self._optimizer is not None or not self._vars:
+            if key in self._optimizers and self._made[key] != made:
+                raise Refused(f"this worker's optimizer {key} is {made[0]} over variables "
+                              f"{made[1][:5]}, the job's {self._made[key][0]} over "
+                              f"{self._made[key][1][:5]}: every worker must make the same "
+                              "optimizers, and step them first in the same order")
+            if key in self._optimizers or not self._vars:
                 return
+            self._made[key] = made
             try:
                 cls = optimizer_class(spec["class"])
             except OptimizerRefused as exc:
                 raise Refused(str(exc)) from None
             var_groups = {int(k): g for k, g in spec.get("var_groups", {}).items()}
-            for shard_spec in self._specs.values():
-                shard_spec["group"] = var_groups.get(shard_spec["var"], 0)
-            groups, self._group_index = [], []
+            mine = {i: var_groups[s["var"]] for i, s in self._specs.items()
+                    if s["var"] in var_groups}
+            taken = [i for i in mine if id(self._vars[i]) in self._owner]
+            if taken:
+                raise Refused(f"variable {self._specs[taken[0]]['var']} is in two of the "
+                              "worker's optimizers; give each parameter to one optimizer")
+            groups, self._group_index[key] = [], []
             for index, settings in enumerate(spec["groups"]):
-                params = [self._vars[i] for i in sorted(self._vars)
-                          if self._specs[i]["group"] == index]
+                params = [self._vars[i] for i in sorted(mine) if mine[i] == index]
                 if params:
                     groups.append({**settings_from_json(settings), "params": params})
-                    self._group_index.append(index)
-            self._optimizer = cls(groups, **settings_from_json(spec["defaults"]))
-            self._group_of = {id(p): g for g in self._optimizer.param_groups
-                              for p in g["params"]}
-            self._sparse_exact = {id(g): sparse_exact(cls, g) for g in self._optimizer.param_groups}
+                    self._group_index[key].append(index)
+            if not groups:  # none of its variables is on this ps: its pushes are empty
+                self._optimizers[key] = None
+                return
+            optimizer = built(cls, groups, settings_from_json(spec["defaults"]))
+            self._optimizers[key] = optimizer
+            for group in optimizer.param_groups:
+                self._sparse_exact[id(group)] = sparse_exact(cls, group)
+                for p in group["params"]:
+                    self._group_of[id(p)], self._owner[id(p)] = group, optimizer
 
     # -- reads and writes ------------------------------------------------------------------
     def values(self) -> list[torch.Tensor]:
@@ -173,8 +200,9 @@ class HeldShards:
               worker: str) -> None:
         """Apply one worker's push: dense gradients of whole shards, and (row ids, rows)
         of others (the lock covers the optimizer's step and nothing else)."""
-        if self._optimizer is None:
-            raise Refused("a gradient arrived before the optimizer was registered")
+        key = int(meta.get("optimizer", 0))
+        if key not in self._optimizers:
+            raise Refused(f"a gradient arrived before its optimizer ({key}) was registered")
         dense = [self._vars[i] for i in meta["dense"]]
         rows = meta.get("rows", [])
         shapes = dense + [_rows_like(self._vars[s], n) for s, n, _ in rows]
@@ -186,12 +214,14 @@ class HeldShards:
             self._checked_rows(shard, self._vars[shard], wanted)
             row_grads.append((shard, wanted, values, mode))
         with self._lock:
-            self._step(dense, grads, row_grads, meta)
+            if self._optimizers[key] is not None:
+                self._step(self._optimizers[key], dense, grads, row_grads, meta)
             self.version += 1
             self.log.append((worker, self.version))
             self.updates[worker] = self.updates.get(worker, 0) + 1
 
-    def _step(self, dense: list, grads: list, row_grads: list, meta: dict) -> None:
+    def _step(self, optimizer: torch.optim.Optimizer, dense: list, grads: list,
+              row_grads: list, meta: dict) -> None:
         for tensor in self._vars.values():
             tensor.grad = None
         for tensor, grad in zip(dense, grads):
@@ -207,16 +237,17 @@ class HeldShards:
                     buffer = self._buffers[shard] = torch.zeros_like(table)
                 table.grad = buffer.index_copy_(0, wanted, values)
                 written.append((buffer, wanted))
-        apply_settings(self._optimizer, self._group_index, meta.get("settings") or [])
+        key = int(meta.get("optimizer", 0))
+        apply_settings(optimizer, self._group_index[key], meta.get("settings") or [])
         try:
             # torch warns that its sparse invariant checks are off, once per process, when
             # an optimizer rebuilds a sparse tensor from ours: every id was checked here
             # (_checked_rows), so the check is off knowingly for this step alone
             with torch.sparse.check_sparse_tensor_invariants(enable=False):
-                self._optimizer.step()
+                optimizer.step()
         except (RuntimeError, ValueError) as exc:  # e.g. no sparse update for a setting
             raise RuntimeError(f"cannot apply the update with "
-                               f"{type(self._optimizer).__name__}: {exc}") from None
+                               f"{type(optimizer).__name__}: {exc}") from None
         finally:
             for buffer, wanted in written:
                 buffer.index_fill_(0, wanted, 0)
@@ -225,8 +256,8 @@ class HeldShards:
     def held_bytes(self) -> int:
         """Bytes of the shards and their optimizer state this ps holds."""
         total = sum(t.numel() * t.element_size() for t in self._vars.values())
-        state = self._optimizer.state.values() if self._optimizer is not None else ()
-        for slots in state:
+        for slots in (v for o in self._optimizers.values() if o
+                      for v in o.state.values()):
             total += sum(v.numel() * v.element_size() for v in slots.values()
                          if isinstance(v, torch.Tensor))
         return total
@@ -241,12 +272,16 @@ class HeldShards:
         """Values by shard id, the optimizer's state, and which shard each of its
         parameter indexes is (``order``), for :mod:`.sharded_state`."""
         with self._lock:
+            if len(self._optimizers) > 1:
+                raise Refused("a job with more than one optimizer keeps its optimizer "
+                              "state in checkpoints by shard (save_shards), not whole")
+            optimizer = self._optimizers.get(0)
             shard_of = {id(t): i for i, t in self._vars.items()}
-            order = [shard_of[id(p)] for g in self._optimizer.param_groups
-                     for p in g["params"]] if self._optimizer else []
+            order = [shard_of[id(p)] for g in optimizer.param_groups
+                     for p in g["params"]] if optimizer else []
             return {"values": {i: t.detach().clone() for i, t in self._vars.items()},
-                    "optimizer": self._optimizer.state_dict() if self._optimizer else None,
-                    "order": order, "groups": list(self._group_index),
+                    "optimizer": optimizer.state_dict() if optimizer else None,
+                    "order": order, "groups": list(self._group_index.get(0, [])),
                     "version": self.version}
 
     # -- checkpoints by shard --------------------------------------------------------------
@@ -277,9 +312,8 @@ class HeldShards:
         return {**record, "ps": self.task_id, "version": self.version, "shards": entries}
 
     def _slots_of(self, table: torch.Tensor) -> dict:
-        if self._optimizer is None:
-            return {}
-        return self._optimizer.state.get(table, {})
+        owner = self._owner.get(id(table))
+        return owner.state.get(table, {}) if owner is not None else {}
 
     def restore(self, folder: pathlib.Path, sources: list[dict], version: int) -> None:
         """Take every shard's rows and slots from the checkpoint files ``sources`` (each
@@ -298,8 +332,8 @@ class HeldShards:
                                                            source["sha256"])
                     self._restore_rows(opened[source["file"]], entry, table, start, stop,
                                        slots)
-                if slots and self._optimizer is not None:
-                    self._optimizer.state[table] = slots
+                if slots and id(table) in self._owner:
+                    self._owner[id(table)].state[table] = slots
             self.version = version
 
     def _restore_rows(self, file: ShardFile, entry: dict, table: torch.Tensor, start: int,
@@ -336,9 +370,32 @@ class HeldShards:
         with self._lock, torch.no_grad():
             for i, value in state["values"].items():
                 self._vars[int(i)].copy_(value)
-            if state.get("optimizer") is not None and self._optimizer is not None:
-                self._optimizer.load_state_dict(state["optimizer"])
+            if state.get("optimizer") is not None and 0 in self._optimizers:
+                self._optimizers[0].load_state_dict(state["optimizer"])
             self.version = int(state.get("version", 0))
+
+
+def _initialized(specs: list[dict], initializers: dict) -> dict[int, torch.Tensor]:
+    """The shards a worker sent no values for, made here (shard id -> rows): by their
+    variable's initializer (:mod:`.initializers`), each table's steps run once over all
+    of its shards on this ps; or left for a restore to write (``init: restored``)."""
+    made, by_var = {}, {}
+    for spec in specs:
+        if spec.get("init"):
+            made[spec["id"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+            if spec["init"] == "steps":
+                by_var.setdefault(spec["var"], []).append((spec["start"], made[spec["id"]]))
+    with torch.no_grad():
+        for var, pieces in by_var.items():
+            initializer = TableInitializer.from_json(initializers[str(var)])
+            for step in initializer.steps:  # this ps's torch must draw as the worker's
+                if step["op"] in RANDOM_STEPS and not chunking_holds(step["op"],
+                                                                      initializer.dtype):
+                    raise RuntimeError(f"this ps's torch {torch.__version__} draws "
+                                       f"{step['op']}_ in chunks otherwise than whole; run "
+                                       "the job with serve_embedding_rows false")
+            initializer.fill(pieces)
+    return made
 
 
 def _overlapping(sources: list[dict], var: int, start: int, stop: int):

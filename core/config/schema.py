@@ -23,7 +23,7 @@ from .addresses import is_address
 __all__ = [
     "RunConfig", "StrategyConfig", "CentralStorageConfig", "ParameterServerConfig",
     "ClusterConfig", "TaskConfig", "DatasetConfig", "TrainConfig", "CheckpointConfig",
-    "OptimizerConfig", "ScheduleConfig", "ParamGroupConfig", "EarlyStoppingConfig",
+    "OptimizerConfig", "TableOptimizerConfig", "ScheduleConfig", "ParamGroupConfig", "EarlyStoppingConfig",
     "BestCheckpointConfig", "ModelConfig", "SourceConfig", "StepConfig",
     "ImportSource", "LOSS_NAMES", "SECTIONS",
 ]
@@ -595,6 +595,24 @@ class ParamGroupConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+class TableOptimizerConfig(_Section):
+    """The embedding tables' own optimizer (per-table optimizers, as TensorFlow and
+    TorchRec allow): it trains the weights of every `nn.Embedding` and `nn.EmbeddingBag`
+    (`EmbeddingBagCollection`'s tables too), `optimizer` trains the rest. In a
+    parameter-server job each is built on the ps tasks over its own variables."""
+
+    name: str = Field("SparseAdam", description="Class in `torch.optim` (`SparseAdam`, "
+                      "`Adagrad`, `SGD`, ...); `SparseAdam` needs the tables built with "
+                      "`sparse=True`.")
+    target: Annotated[str, AfterValidator(_target)] | None = Field(
+        None, description="Instead of `name`: an optimizer class outside `torch.optim`, "
+        "`package.module:Class`, called as `Class(params, lr=lr, **kwargs)`. " + _TARGET_PATH)
+    lr: float = Field(0.01, gt=0, description="The tables' learning rate (a schedule "
+                      "scales it as it scales `optimizer.lr`).")
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="Other keyword "
+                                   "arguments (`betas`, `eps`, ...).")
+
+
 class OptimizerConfig(_Section):
     """The optimizer: any `torch.optim` class (or your own), created in
     `strategy.scope()`."""
@@ -616,6 +634,10 @@ class OptimizerConfig(_Section):
         "after another (`torch.optim.lr_scheduler.SequentialLR`), e.g. `[{name: LinearLR, "
         "kwargs: {start_factor: 0.1}, steps: 100}, {name: CosineAnnealingLR, kwargs: "
         "{T_max: 900}}]`: linear warmup, then cosine.")
+    tables: TableOptimizerConfig | None = Field(
+        None, description="A separate optimizer for the embedding tables, e.g. `{name: "
+        "SparseAdam, lr: 0.01}` beside `name: AdamW` for the dense part; null: this "
+        "optimizer trains every parameter.")
 
 
 class EarlyStoppingConfig(_Section):

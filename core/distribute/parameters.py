@@ -502,6 +502,14 @@ class ParameterStore:
                 sync_batch_norm.uninstall(module)
         self._adopted.clear()
 
+    def stand_in(self, module: torch.nn.Module, name: str,
+                 param: torch.Tensor) -> torch.Tensor | None:
+        """What ``module`` (built in scope) holds as its parameter ``name`` instead of
+        ``param``, or None (``param``, placed on the parameter device). A parameter-server
+        job's worker answers a stand-in for a table the ps tasks will make
+        (:mod:`csrun.core.cluster.deferred_table`)."""
+        return None
+
     def register_tensor(self, tensor: torch.Tensor) -> None:
         """Track a central trainable tensor (for coalesced copies to replica devices)."""
         with self._lock:
@@ -1314,6 +1322,11 @@ def _on_parameter(module: torch.nn.Module, name: str, param):
     store = _placing_store()
     if store is None or param is None:
         return None
+    standing = store.stand_in(module, name, param)
+    if standing is not None:  # made where it lives (a ps job's table): nothing to place
+        store.adopt(module)
+        store.register_tensor(standing)
+        return standing
     placed = param
     if store.defers(param):
         store.defer(param)

@@ -32,7 +32,8 @@ __all__ = [
     "any_autocast_enabled", "InferenceMode", "set_grad_enabled", "function_mode_depth",
     "tensor_dict", "set_tensor_dict", "plain_tensor_dict", "tensor_dicts", "tensor_version",
     "route_module_calls", "restore_module_calls", "compiled_module_type", "compiled_original",
-    "has_post_accumulate_grad_hook", "grad_hooks", "route_hook_registration",
+    "has_post_accumulate_grad_hook", "grad_hooks", "TENSOR_PRIVATE_DESCRIPTION",
+    "route_hook_registration",
     "restore_hook_registration", "current_backward_id", "queue_backward_callback",
     "foreach_add_", "pytree_leaves", "pytree_node", "pytree_flatten", "pytree_unflatten",
     "compiler_in_use", "dynamo_tracing", "compiler_inlines_modules",
@@ -182,6 +183,14 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
 # buffer or a mirrored parameter changed without comparing values. No public accessor;
 # an attrgetter is a C call, so reading it adds no Python frame per tensor.
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+
+
+# The private attributes of a tensor that describe it without reading its values (its
+# hooks, version counter, view base): a ps job's table that does not exist yet on a
+# worker answers them from its one-element stand-in (core/cluster/deferred_table.py), as
+# grad_hooks and tensor_version above read them.
+TENSOR_PRIVATE_DESCRIPTION = frozenset({"_backward_hooks", "_post_accumulate_grad_hooks",
+                                        "_base", "_version", "_is_view"})
 
 
 def has_post_accumulate_grad_hook(tensor: torch.Tensor, hook: Callable) -> bool:

@@ -17,13 +17,14 @@ from typing import Any, Iterable
 import torch
 
 from ..config.problems import ConfigError, Problem, did_you_mean
-from ..config.schema import OptimizerConfig
+from ..cluster import CombinedOptimizer
+from ..config.schema import OptimizerConfig, TableOptimizerConfig
 from ..config.targets import import_object, lookup_class, parameters_hint
 from ..config.user_code import CHECKED_FAILURES, user_problem
 from .schedules import build_schedule
 
 __all__ = ["optimizer_names", "optimizer_class", "param_groups", "unmatched_groups",
-           "build_optimizer", "build_schedule"]
+           "build_optimizer", "build_schedule", "table_parameters"]
 
 
 def optimizer_names() -> list[str]:
@@ -33,19 +34,33 @@ def optimizer_names() -> list[str]:
                   and obj is not torch.optim.Optimizer)
 
 
-def optimizer_class(config: "OptimizerConfig") -> type:
-    """``optimizer.target``'s class, else ``torch.optim.<name>``.
+def optimizer_class(config: "OptimizerConfig | TableOptimizerConfig",
+                    where: str = "optimizer") -> type:
+    """``optimizer.target``'s class, else ``torch.optim.<name>`` (``where``: the
+    section, ``optimizer`` or ``optimizer.tables``).
 
     Raises:
       ConfigError: an unknown name, a target that does not import, or both given.
     """
     if config.target is None:
-        return lookup_class(torch.optim, config.name, optimizer_names(), "optimizer.name",
+        return lookup_class(torch.optim, config.name, optimizer_names(), f"{where}.name",
                        "torch.optim optimizer")
     if "name" in config.model_fields_set:
-        raise ConfigError([Problem("optimizer.target", "give name or target, not both",
+        raise ConfigError([Problem(f"{where}.target", "give name or target, not both",
                                    "name: a torch.optim class; target: your own class")])
-    return import_object(config.target, "optimizer.target")
+    return import_object(config.target, f"{where}.target")
+
+
+NO_TABLES = Problem("optimizer.tables", "the model has no nn.Embedding or nn.EmbeddingBag "
+                    "for it to train", "remove optimizer.tables, or build the tables with "
+                    "torch.nn's Embedding/EmbeddingBag")
+
+
+def table_parameters(model: torch.nn.Module) -> set[str]:
+    """The names of the embedding tables' weights (every ``nn.Embedding`` and
+    ``nn.EmbeddingBag``): what ``optimizer.tables`` trains."""
+    return {f"{name}.weight" if name else "weight" for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
 
 
 def param_groups(config: "OptimizerConfig", named: Iterable[tuple[str, Any]]) -> list:
@@ -72,29 +87,49 @@ def unmatched_groups(config: "OptimizerConfig", names: Iterable[str]) -> list[st
             if not any(re.search(g.match, n) for n in names)]
 
 
-def build_optimizer(config: "OptimizerConfig", params: Iterable) -> torch.optim.Optimizer:
+def build_optimizer(config: "OptimizerConfig", params: Iterable,
+                    tables: Iterable[str] = ()) -> torch.optim.Optimizer:
     """``cls(params, lr=lr, **kwargs)``; ``params``: parameters, or ``(name, parameter)``
-    pairs, which ``optimizer.param_groups`` split into groups.
+    pairs, which ``optimizer.param_groups`` split into groups. With ``optimizer.tables``,
+    the parameters named in ``tables`` (:func:`table_parameters`) get that optimizer and
+    the rest this one, both in one :class:`~csrun.core.CombinedOptimizer`.
 
     Raises:
       ConfigError: an unknown class, or keyword arguments the class refuses.
     """
-    cls = optimizer_class(config)
     params = list(params)
+    if config.tables is None:
+        return _built(config, params)
+    tables = set(tables)
+    named = [(n, p) for n, p in params] if params and isinstance(params[0], tuple) else []
+    if not any(n in tables for n, _ in named):
+        raise ConfigError([NO_TABLES])
+    dense = [(n, p) for n, p in named if n not in tables]
+    table_optimizer = _built(config.tables, [p for n, p in named if n in tables],
+                             "optimizer.tables")
+    # the dense part first: its step is the job's step, its lr the one logged
+    return CombinedOptimizer(([_built(config, dense)] if dense else []) + [table_optimizer])
+
+
+def _built(config: "OptimizerConfig | TableOptimizerConfig", params: list,
+           where: str = "optimizer") -> torch.optim.Optimizer:
+    cls = optimizer_class(config, where)
+    groups = getattr(config, "param_groups", [])
     if params and isinstance(params[0], tuple):
-        params = param_groups(config, params)
+        params = param_groups(config, params) if groups else [p for _, p in params]
     try:
         optimizer = cls(params, lr=config.lr, **config.kwargs)
     except (TypeError, ValueError, KeyError) as exc:
-        field = "optimizer.param_groups" if config.param_groups and "group" in str(exc) \
-            else "optimizer.kwargs"
+        field = f"{where}.param_groups" if groups and "group" in str(exc) \
+            else f"{where}.kwargs"
         raise ConfigError([Problem(field, f"{cls.__name__}: {exc}",
                                    parameters_hint(cls, {"params", "lr"}))]) from None
     except CHECKED_FAILURES as exc:  # noqa: BLE001 - a user's class may raise anything
-        field = "optimizer.target" if config.target else "optimizer.kwargs"
+        field = f"{where}.target" if config.target else f"{where}.kwargs"
         raise ConfigError([user_problem(field, f"{config.target or cls.__name__}(params, "
                                         "lr, **kwargs)", exc)]) from None
-    _check_group_options(config, optimizer)
+    if groups:
+        _check_group_options(config, optimizer)
     return optimizer
 
 

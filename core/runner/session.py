@@ -50,7 +50,7 @@ from .failures import located
 from .metrics import MetricSinks
 from .models import build_model, count_parameters
 from .objectives import make_objective
-from .optimizers import build_optimizer, unmatched_groups
+from .optimizers import build_optimizer, table_parameters, unmatched_groups
 from .plots import write_plot
 from .precision import Precision
 from .result import run_result
@@ -138,7 +138,8 @@ class Session:
         config = self.config
         with self.strategy.scope():  # parameters and optimizer state live centrally
             self.model = build_model(config.model, self.data.feature_shape, self.data.outputs)
-            self.optimizer = build_optimizer(config.optimizer, self.model.named_parameters())
+            self.optimizer = build_optimizer(config.optimizer, self.model.named_parameters(),
+                                             table_parameters(self.model))
             self.schedule = build_schedule(config.optimizer.schedule, self.optimizer)
         self.schedule_steps = ScheduleSteps(self.schedule,
                                             schedule_interval(config.optimizer.schedule),

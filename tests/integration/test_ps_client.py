@@ -148,7 +148,49 @@ def _scheduled(strategy, recipe, steps=6):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("recipe", [Momentum, Betas])
+class Cyclic:
+    """SGD with momentum under CyclicLR with cycle_momentum (momentum falls as lr rises)."""
+
+    @staticmethod
+    def build(params):
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return optimizer, torch.optim.lr_scheduler.CyclicLR(
+            optimizer, base_lr=0.01, max_lr=0.3, step_size_up=2, cycle_momentum=True,
+            base_momentum=0.5, max_momentum=0.95)
+
+
+class ScaledSGD(torch.optim.SGD):
+    """A user's SGD whose steps a group key ``scale`` scales (absent: 1)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(group.get("scale", 1.0))
+        return super().step(closure)
+
+
+class HandSchedule:
+    """Halves ``scale`` in every group each step: a key the optimizer's groups did not
+    have at its first step (a plain-loop habit: editing ``param_groups`` by hand)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        for group in self.optimizer.param_groups:
+            group["scale"] = group.get("scale", 1.0) * 0.5
+
+
+class ByHand:
+    @staticmethod
+    def build(params):
+        optimizer = ScaledSGD(params, lr=0.1)
+        return optimizer, HandSchedule(optimizer)
+
+
+@pytest.mark.parametrize("recipe", [Momentum, Betas, Cyclic, ByHand])
 def test_what_a_schedule_changes_besides_lr_reaches_the_ps(recipe):
     expected = _scheduled(CentralStorageStrategy(["CPU:0"]), recipe)
     with Cluster(1) as cluster:

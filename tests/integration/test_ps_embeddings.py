@@ -205,7 +205,7 @@ def test_a_checkpoint_by_ps_task_of_an_earlier_csrun_resumes_unpartitioned_only(
         for state in by_task:  # as they were written: no order of shards
             state.pop("order"), state.pop("groups")
         expected = model.state_dict()
-        optimizer = ext._remote()._optimizer
+        optimizer = ext._remote()._optimizers[0]
         for dense, user, items, y in batches(2):  # move on, then go back
             optimizer.zero_grad()
             cluster.strategy.run(lambda d, u, i, t: F.binary_cross_entropy_with_logits(
@@ -286,7 +286,7 @@ def test_replicas_with_copies_read_tables_whole():
 def test_a_workers_optimizer_keeps_no_state_of_a_served_table():
     with Cluster(1) as cluster:
         model = train(cluster.strategy, True, "Adagrad", steps=1)
-        optimizer = cluster.strategy.extended._remote()._optimizer
+        optimizer = cluster.strategy.extended._remote()._optimizers[0]
         assert model.users.weight not in optimizer.state  # Adagrad's sum of it: on the ps
         assert model.tower.weight in optimizer.state  # (made at construction, unused)
 

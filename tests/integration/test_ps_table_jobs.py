@@ -178,3 +178,50 @@ def test_a_completed_jobs_last_checkpoint_holds_a_slow_workers_last_updates(tmp_
     assert again.returncode == 0, again.stdout + again.stderr
     assert "the checkpoint's run is complete (step 30 of 30): nothing to train" in again.stdout
     assert "step 1/" not in again.stdout and "step 31" not in again.stdout
+
+
+HALVED = """\
+import torch
+
+
+class HalvedSGD(torch.optim.SGD):
+    \"\"\"A user's subclass: its steps take half the gradient.\"\"\"
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_users_optimizer_subclass_from_the_config_runs_as_itself_on_the_ps(tmp_path):
+    """optimizer.target names a subclass: every task imports it while checking the
+    config, so the ps builds it (not torch's SGD); one worker's job then ends on
+    central storage's values."""
+    target = 'optimizer: {target: "halved:HalvedSGD", lr: 0.1}'
+    config = CONFIG.replace("optimizer: {name: Adagrad, lr: 0.1}", target) \
+        .replace("train: {steps: 30", "train: {steps: 8")
+    central = config.replace("{kind: parameter_server, compute_devices: [CPU:0], "
+                             "timeout_s: 60}", "{kind: central_storage, "
+                             "compute_devices: [CPU:0]}")
+    weights = {}
+    for name, text, args in [("ps", config, ("launch", "c.yaml", "--workers", "1", "--ps",
+                                            "1")),
+                             ("central", central, ("train", "c.yaml")),
+                             ("plain", central.replace(target, "optimizer: {name: SGD, "
+                                                               "lr: 0.1}"),
+                              ("train", "c.yaml"))]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "halved.py").write_text(HALVED)
+        done = launch(folder, *args, *EXPORT, config=text)
+        assert done.returncode == 0, done.stdout + done.stderr
+        weights[name] = safetensors.torch.load_file(folder / "ckpt" / "model.safetensors")
+    assert not torch.allclose(weights["plain"]["head.weight"],
+                              weights["central"]["head.weight"])
+    for key, value in weights["central"].items():
+        torch.testing.assert_close(weights["ps"][key], value, rtol=1e-5, atol=1e-6, msg=key)

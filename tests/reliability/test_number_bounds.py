@@ -120,6 +120,9 @@ EXTREMES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "CNNModel.hidden": (("dataset.source={kind: digits, layout: image}",
                          f"model={{kind: cnn, hidden: {BIG}}}"), REFUSED, "model"),
     "OptimizerConfig.lr": (("optimizer.lr=1e308",), FAILS, ""),
+    # the tiny config's MLP has no table: refused before its lr matters
+    "TableOptimizerConfig.lr": (("optimizer.tables={name: Adagrad, lr: 1e308}",), REFUSED,
+                                "optimizer.tables"),
     "ScheduleConfig.steps": ((f"optimizer.schedule=[{{name: LinearLR, steps: {BIG}}}, "
                               "{name: StepLR, kwargs: {step_size: 2}}]",), RUNS, ""),
     "TrainConfig.steps": ((f"train.steps={BIG}",), VALID, ""),

@@ -37,6 +37,8 @@ NOT_CONFIGS = {
 # A fragment naming the text example's package is part of examples/text_classifier.yaml
 # (the docs say so): it is merged onto that config, from examples/ as the docs run it.
 TEXT_EXAMPLE = "toypkg.text:"
+# Likewise a fragment naming the click example's package: examples/ps_jagged.yaml.
+CLICKS_EXAMPLE = "toypkg.clicks:"
 # Where a parameter-server fragment's cluster comes from (its snippet leaves it to
 # TF_CONFIG, as a real job does): 2 workers and a ps; this process is worker:0.
 PS_ENVIRON = {"TF_CONFIG": json.dumps({
@@ -93,6 +95,7 @@ def test_a_config_snippet_validates(path, line, text, monkeypatch):
         f"{_where(path, line)}: not a config's sections; if it is not meant to be a " \
         "config, add it to NOT_CONFIGS with the reason"
     base = ROOT / ("examples/text_classifier.yaml" if TEXT_EXAMPLE in text
+                   else "examples/ps_jagged.yaml" if CLICKS_EXAMPLE in text
                    else "configs/quickstart.yaml")
     if WHOLE <= set(sections):
         merged = text  # a whole config: validated as it stands, not mixed with a base
@@ -101,7 +104,7 @@ def test_a_config_snippet_validates(path, line, text, monkeypatch):
                                  **sections}, sort_keys=False)
     monkeypatch.chdir(base.parent)  # its imports and relative paths, as the docs run it
     monkeypatch.syspath_prepend(str(base.parent))
-    environ = PS_ENVIRON if "parameter_server" in text else {}
+    environ = PS_ENVIRON if "parameter_server" in merged else {}
     # The whole preflight: every snippet's files and imports exist in this repository, so
     # none needs the lighter read_config_text (schema only).
     try:

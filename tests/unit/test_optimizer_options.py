@@ -129,3 +129,38 @@ def test_a_data_file_given_as_an_override_starts_at_the_current_folder(tmp_path,
     monkeypatch.chdir(tmp_path)
     config = load_config("project/run.yaml", ["dataset.source={kind: file, path: data.npz}"])
     assert config.dataset.source.path == "data.npz"
+
+
+class Tables(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.users = torch.nn.Embedding(10, 4, sparse=True)
+        self.bags = torch.nn.ModuleDict({"item": torch.nn.EmbeddingBag(12, 4)})
+        self.head = torch.nn.Linear(8, 1)
+
+
+def test_the_tables_get_their_own_optimizer_and_the_rest_this_one():
+    from csrun.core import CombinedOptimizer
+    from csrun.core.runner.optimizers import table_parameters
+    model = Tables()
+    config = optimizer_config(name="AdamW", lr=0.001, tables={"name": "SparseAdam",
+                                                              "lr": 0.05})
+    optimizer = build_optimizer(config, model.named_parameters(), table_parameters(model))
+    assert isinstance(optimizer, CombinedOptimizer)
+    dense, tables = optimizer.optimizers
+    assert type(dense) is torch.optim.AdamW and type(tables) is torch.optim.SparseAdam
+    assert tables.param_groups[0]["params"] == [model.users.weight, model.bags.item.weight]
+    assert dense.param_groups[0]["params"] == list(model.head.parameters())
+    assert [g["lr"] for g in optimizer.param_groups] == [0.001, 0.05]
+    schedule = build_schedule(optimizer_config(schedule={"name": "StepLR", "kwargs": {
+        "step_size": 1, "gamma": 0.5}}).schedule, optimizer)
+    optimizer.step()
+    schedule.step()  # one schedule scales both, as in TorchRec
+    assert [g["lr"] for g in tables.param_groups + dense.param_groups] == [0.025, 0.0005]
+
+
+def test_tables_without_a_table_in_the_model_are_a_config_problem():
+    with pytest.raises(ConfigError) as caught:
+        build_optimizer(optimizer_config(tables={"name": "Adagrad"}),
+                        Block().named_parameters(), set())
+    assert [p.path for p in caught.value.problems] == ["optimizer.tables"]

@@ -118,3 +118,39 @@ def test_the_list_of_sparse_optimizers_is_torchs():
                   and c.__name__ != "LBFGS"]  # LBFGS steps through a closure
     applies = sorted(c.__name__ for c in optimizers if _sparse_step(c))
     assert applies == sorted(SPARSE_OPTIMIZERS)
+
+
+def test_the_tables_own_optimizer_is_checked_for_sparse_gradients_not_the_dense_one(tagger):
+    """optimizer.tables trains the tables: AdamW beside SparseAdam passes; Adam for the
+    tables is refused naming optimizer.tables.name."""
+    text = CONFIG.format(kind="parameter_server", sparse="true").replace(
+        "{name: SGD, lr: 0.1}", "{name: AdamW, lr: 0.1, tables: {name: SparseAdam}}")
+    assert load_config_text(text, "c.yaml", environ=TF_CONFIG).optimizer.tables.name == \
+        "SparseAdam"
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text.replace("SparseAdam", "Adam"), "c.yaml", environ=TF_CONFIG)
+    (problem,) = [p for p in caught.value.problems if p.path == "optimizer.tables.name"]
+    assert "table.weight get sparse gradients" in problem.message
+
+
+def test_a_tables_optimizer_the_class_refuses_is_a_config_problem(tagger):
+    text = CONFIG.format(kind="central_storage", sparse="true").replace(
+        "{name: SGD, lr: 0.1}", "{name: AdamW, lr: 0.1, tables: {name: SparsAdam}}")
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text, "c.yaml")
+    (problem,) = [p for p in caught.value.problems if p.path == "optimizer.tables.name"]
+    assert "SparseAdam" in problem.hint
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text.replace("SparsAdam}", "SparseAdam, kwargs: {momentum: 0.9}}"),
+                         "c.yaml")
+    assert [p.path for p in caught.value.problems] == ["optimizer.tables.kwargs"]
+
+
+def test_sparse_adam_for_tables_built_dense_is_refused_before_training(tagger):
+    text = CONFIG.format(kind="central_storage", sparse="false").replace(
+        "{name: SGD, lr: 0.1}", "{name: AdamW, lr: 0.1, tables: {name: SparseAdam}}")
+    with pytest.raises(ConfigError) as caught:
+        load_config_text(text, "c.yaml")
+    (problem,) = [p for p in caught.value.problems if p.path == "optimizer.tables.name"]
+    assert "table.weight get dense ones (built with sparse=False)" in problem.message
+    load_config_text(text.replace("SparseAdam", "Adagrad"), "c.yaml")

@@ -955,3 +955,9 @@ if "torch._dynamo" in sys.modules:
 def test_import_takes_no_process_wide_state():
     out = _run_python(_STATE)
     assert out == "", "import csrun.core took process-wide state:\n" + out
+
+
+def test_tensor_private_description_names_attributes_every_tensor_has():
+    tensor = torch.zeros(2, requires_grad=True)
+    for name in ti.TENSOR_PRIVATE_DESCRIPTION:
+        getattr(tensor, name)  # an AttributeError: torch renamed it

@@ -23,6 +23,7 @@ from ...distribute.device_lib import memory_bytes
 from ...distribute.devices import default_compute_devices, default_parameter_device, resolve_device
 from ...distribute.values import map_structure
 from ..models import build_model, check_model, model_bytes, resolve_loss, tensor_bytes
+from ..optimizers import NO_TABLES, table_parameters
 from ..objectives import NamedLoss, is_loss_function, make_objective, not_a_tensor
 from .devices import gib
 
@@ -45,7 +46,25 @@ def check_model_on_data(model, data, dataset, strategy, optimizer=None) -> list[
     with torch.device("meta"):  # built once for the checks that read its tensors
         built = build_model(model, data.feature_shape, data.outputs)
     return check_model_memory(model, built, data, strategy) or \
+        _check_tables_optimizer(built, optimizer) or \
         check_sparse_in_ps(model, built, strategy, optimizer)
+
+
+def _check_tables_optimizer(built: torch.nn.Module, optimizer) -> list[Problem]:
+    """``optimizer.tables`` for a model without tables would train nothing."""
+    tables = getattr(optimizer, "tables", None)
+    if tables is None:
+        return []
+    if not table_parameters(built):
+        return [NO_TABLES]
+    dense = [f"{name}.weight" if name else "weight" for name, m in built.named_modules()
+             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and not m.sparse]
+    if tables.target is None and tables.name == "SparseAdam" and dense:
+        return [Problem("optimizer.tables.name", f"SparseAdam takes only sparse gradients, "
+                        f"and {', '.join(dense[:3])} get dense ones (built with "
+                        "sparse=False)", "build the tables with sparse=True, or use "
+                        "Adagrad or SGD (sparse and dense gradients alike)")]
+    return []
 
 
 def check_fit(config, data, sample: Any) -> list[Problem]:
@@ -165,17 +184,20 @@ def check_sparse_in_ps(model, built: torch.nn.Module, strategy, optimizer) -> li
         return []
     sparse = [f"{name}.weight" if name else "weight" for name, m in built.named_modules()
               if getattr(m, "sparse", False) is True]
+    where, groups_of = "optimizer", getattr(optimizer, "param_groups", [])
+    if getattr(optimizer, "tables", None) is not None:  # the tables' own optimizer
+        where, optimizer, groups_of = "optimizer.tables", optimizer.tables, []
     cls = getattr(torch.optim, optimizer.name, None)
-    if not sparse or not isinstance(cls, type):
+    if not sparse or not isinstance(cls, type) or optimizer.target is not None:
         return []
     base = {"lr": optimizer.lr, **optimizer.kwargs}
-    groups = [base] + [{**base, **group.options()} for group in optimizer.param_groups]
+    groups = [base] + [{**base, **group.options()} for group in groups_of]
     why = sparse_update_problem(cls, groups)
     if why is None:
         return []
-    field = "optimizer.name" if optimizer.name not in SPARSE_OPTIMIZERS else \
-        "optimizer.param_groups" if sparse_update_problem(cls, [base]) is None \
-        else "optimizer.kwargs"
+    field = f"{where}.name" if optimizer.name not in SPARSE_OPTIMIZERS else \
+        f"{where}.param_groups" if sparse_update_problem(cls, [base]) is None \
+        else f"{where}.kwargs"
     return [Problem(field, f"{', '.join(sparse[:3])} get sparse gradients (sparse=True), "
                     f"which {optimizer.name} with these settings cannot apply on the ps "
                     f"tasks ({why})",

@@ -21,8 +21,10 @@ def check_optimizer(config: OptimizerConfig) -> list[Problem]:
          for i in range(len(config.param_groups))]
     dummy = config.model_copy(update={"param_groups": [
         g.model_copy(update={"match": f"^group{i}$"}) for i, g in enumerate(config.param_groups)]})
+    if config.tables is not None:  # a table of its own, for optimizer.tables
+        named.append(("_table", torch.zeros(2, 1, requires_grad=True)))
     try:
-        optimizer = build_optimizer(dummy, named)
+        optimizer = build_optimizer(dummy, named, {"_table"})
     except ConfigError as exc:
         problems = exc.problems
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)

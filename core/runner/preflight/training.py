@@ -26,7 +26,6 @@ _NOT_IN_PS = {  # field: why a parameter-server job cannot have it
     "train.eval_every": "only the chief evaluates, at the end",
     "train.early_stopping": "only the chief evaluates, at the end",
     "checkpoint.keep_best": "only the chief evaluates, at the end",
-    "optimizer.target": "the ps tasks rebuild the optimizer by its torch.optim name",
 }
 _DEFAULTS = {"train.accumulate_steps": 1, "train.precision": "fp32", "train.compile": False,
              "train.eval_every": 0}
