@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -117,16 +118,23 @@ def read_share(folder: Path, tables: int, hotness) -> dict:
 
 
 # -- csrun's tasks ----------------------------------------------------------------------
-def csrun_model(tables, hotness):
+def csrun_model(tables, jagged: bool):
+    """The model as a csrun user writes it: the tables in an ``EmbeddingBagCollection``
+    fed jagged features (one lookup per ps a step, no padding); ``jagged=False``: the
+    secondary form, ``nn.EmbeddingBag`` tables called one by one on padded ids (padding
+    weighed 0, the sum divided by the count)."""
     import torch
     import torch.nn as nn
+
+    from csrun.core import EmbeddingBagCollection
 
     class WideAndDeep(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tables = nn.ModuleList([nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True)
-                                         for rows in tables])
-            for table in self.tables:
+            bags = {f"t{t}": nn.EmbeddingBag(rows, DIM, mode="mean" if jagged else "sum",
+                                             sparse=True) for t, rows in enumerate(tables)}
+            self.tables = EmbeddingBagCollection(bags) if jagged else nn.ModuleDict(bags)
+            for table in bags.values():
                 nn.init.normal_(table.weight, std=0.05)
             sizes = (DENSE + DIM * len(tables), *HIDDEN)
             layers = []
@@ -135,14 +143,50 @@ def csrun_model(tables, hotness):
             self.deep = nn.Sequential(*layers, nn.Linear(sizes[-1], 1))
             self.wide = nn.Linear(DENSE, 1)
 
-        def forward(self, dense, *features):
-            bags = []
-            for table, (ids, lengths) in zip(self.tables, zip(features[::2], features[1::2])):
-                mask = (torch.arange(ids.shape[1]) < lengths[:, None]).float()
-                bags.append(table(ids, per_sample_weights=mask) / lengths[:, None])
+        def forward(self, dense, features):
+            if jagged:  # {"t0": JaggedTensor, ...}: every table's rows in one request per ps
+                pooled = self.tables(features)
+                bags = [pooled[f"t{t}"] for t in range(len(tables))]
+            else:  # {"t0": (padded ids, lengths), ...}
+                bags = []
+                for t in range(len(tables)):
+                    ids, lengths = features[f"t{t}"]
+                    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).float()
+                    bags.append(self.tables[f"t{t}"](ids, per_sample_weights=mask)
+                                / lengths[:, None])
             return (self.deep(torch.cat([dense, *bags], 1)) + self.wide(dense)).squeeze(1)
 
     return WideAndDeep()
+
+
+def csrun_batches(data: dict, tables: int, local: int, count: int, jagged: bool):
+    """The share's first ``count`` batches of ``local`` examples: (dense, label,
+    features), a feature a ``JaggedTensor`` (the ids without padding) or (padded ids,
+    lengths)."""
+    import torch
+
+    from csrun.core import JaggedTensor
+    columns = {}
+    for t in range(tables):
+        ids, lengths = data[f"ids{t}"], data[f"len{t}"].astype(np.int64)
+        if jagged:  # as a user's data hold them: each example's ids, one after another
+            values = ids[np.arange(ids.shape[1])[None, :] < lengths[:, None]]
+            starts = np.concatenate([[0], np.cumsum(lengths)])
+            columns[t] = (values, starts, lengths)
+        else:
+            columns[t] = (ids, None, lengths)
+    out = []
+    for i in range(count):
+        a, b = i * local, (i + 1) * local
+        features = {}
+        for t, (ids, starts, lengths) in columns.items():
+            n = torch.from_numpy(lengths[a:b])
+            features[f"t{t}"] = (JaggedTensor.from_lengths(
+                torch.from_numpy(ids[starts[a]:starts[b]]), n) if jagged
+                else (torch.from_numpy(ids[a:b]), n))
+        out.append((torch.from_numpy(data["dense"][a:b]), torch.from_numpy(data["label"][a:b]),
+                    features))
+    return out
 
 
 def csrun_task(args) -> int:
@@ -157,22 +201,20 @@ def csrun_task(args) -> int:
         return 0
     data = read_share(Path(args.share), len(args.tables), args.hotness)
     local = args.batch // args.workers
+    jagged = args.task == "csrun"
+    batches = csrun_batches(data, len(args.tables), local, args.warmup + args.steps, jagged)
     torch.manual_seed(0)
     with strategy.scope():
-        model = csrun_model(args.tables, args.hotness)
+        model = csrun_model(args.tables, jagged)
         optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr, eps=ADAGRAD_EPS)
 
-    def step(dense, label, *features):
-        loss = F.binary_cross_entropy_with_logits(model(dense, *features), label)
+    def step(dense, label, features):
+        loss = F.binary_cross_entropy_with_logits(model(dense, features), label)
         loss.backward()
         return loss.detach()
 
-    names = ["dense", "label"] + [f"{k}{t}" for t in range(len(args.tables))
-                                  for k in ("ids", "len")]
     losses, begin = [], None
-    for i in range(args.warmup + args.steps):
-        part = slice(i * local, (i + 1) * local)
-        batch = [torch.from_numpy(data[n][part]) for n in names]
+    for i, batch in enumerate(batches):
         if i == args.warmup:
             barrier(Path(args.barrier), args.workers)
             begin = time.time()
@@ -371,17 +413,18 @@ def reap(procs: dict, waited: list[str], logs: Path, timeout: float) -> None:
                 proc.wait()
 
 
-def run_csrun(workers: int, ps: int, args, folder: Path) -> dict:
+def run_csrun(workers: int, ps: int, args, folder: Path, task: str = "csrun") -> dict:
+    """``task``: ``csrun`` (the collection on jagged features) or ``csrun-padded``."""
     from csrun.core.runner.launch import free_ports
     ports = free_ports(workers + ps)
     cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:ps]],
                "worker": [f"127.0.0.1:{p}" for p in ports[ps:]]}
     run = Path(tempfile.mkdtemp(prefix="csrun-", dir=folder))
-    procs = {f"ps{k}": start(task_argv(sys.executable, "csrun", args, workers, []),
+    procs = {f"ps{k}": start(task_argv(sys.executable, task, args, workers, []),
                              cluster, "ps", k, run, threads=1) for k in range(ps)}
     for w in range(workers):
         share = folder / f"W{workers}" / f"w{w}"
-        procs[f"worker{w}"] = start(task_argv(sys.executable, "csrun", args, workers, [
+        procs[f"worker{w}"] = start(task_argv(sys.executable, task, args, workers, [
             "--share", str(share), "--result", str(run / f"w{w}.json"), "--barrier", str(run)]),
             cluster, "worker", w, run, threads=max(1, (os.cpu_count() or 1) // workers))
     reap(procs, [f"worker{w}" for w in range(workers)] + [f"ps{k}" for k in range(ps)], run,
@@ -427,12 +470,17 @@ def cell_rounds(cell: str, args, folder: Path, tf_ok: bool) -> dict:
     workers, ps = (int(n) for n in cell.split("x"))
     rounds = []
     for r in range(args.rounds):
-        sides = [("csrun", run_csrun)] + ([("tf", run_tf)] if tf_ok else [])
+        sides = [("csrun", run_csrun)] + ([("tf", run_tf)] if tf_ok else []) + (
+            [("csrun-padded", functools.partial(run_csrun, task="csrun-padded"))]
+            if args.padded else [])
         if r % 2:
             sides.reverse()  # alternate which goes first: drift hits both
         pair = {name: measured(run, workers, ps, args, folder) for name, run in sides}
         if tf_ok:
             pair["ratio"] = pair["csrun"]["examples_per_s"] / pair["tf"]["examples_per_s"]
+            if args.padded:
+                pair["padded_ratio"] = (pair["csrun-padded"]["examples_per_s"]
+                                        / pair["tf"]["examples_per_s"])
         rounds.append(pair)
         print(row(cell, r + 1, pair), flush=True)
     out = {"workers": workers, "ps": ps, "rounds": rounds,
@@ -440,6 +488,9 @@ def cell_rounds(cell: str, args, folder: Path, tf_ok: bool) -> dict:
     if tf_ok:
         out["tf_median"] = statistics.median(p["tf"]["examples_per_s"] for p in rounds)
         out["ratio_median"] = statistics.median(p["ratio"] for p in rounds)
+    if args.padded:
+        out["padded_median"] = statistics.median(p["csrun-padded"]["examples_per_s"]
+                                                 for p in rounds)
     return out
 
 
@@ -449,11 +500,16 @@ def row(cell: str, r: int, pair: dict) -> str:
         return f"{'-':>10s} {'':>11s}" if v is None else \
             f"{v['examples_per_s']:10.0f} {v['load_before']:5.1f}/{v['load_after']:<5.1f}"
     ratio = f"{pair['ratio']:8.2f}" if "ratio" in pair else f"{'-':>8s}"
-    return f"{cell:5s} {r:5d} {side('csrun')} {side('tf')} {ratio}"
+    line = f"{cell:5s} {r:5d} {side('csrun')} {side('tf')} {ratio}"
+    if "csrun-padded" in pair:
+        shown = f"{pair['padded_ratio']:8.2f}" if "padded_ratio" in pair else f"{'-':>8s}"
+        line += f"  {side('csrun-padded')} {shown}"
+    return line
 
 
 HEADER = (f"{'cell':5s} {'round':>5s} {'csrun ex/s':>10s} {'load':>11s} {'TF ex/s':>10s} "
           f"{'load':>11s} {'csrun/TF':>8s}")
+PADDED_HEADER = f"  {'padded ex/s':>10s} {'load':>11s} {'padded/TF':>8s}"
 
 
 def targets(cells: dict, tf_ok: bool) -> list[dict]:
@@ -489,7 +545,7 @@ def measure(args) -> dict:
                         args.zipf, args.seed)
         for workers in sorted({int(c.split("x")[0]) for c in grid}):
             write_shares(folder / f"W{workers}", data, args.batch, workers)
-        print(HEADER, flush=True)
+        print(HEADER + (PADDED_HEADER if args.padded else ""), flush=True)
         result["cells"] = {cell: cell_rounds(cell, args, folder, tf_ok) for cell in grid}
     result["targets"] = targets(result["cells"], tf_ok)
     for t in result["targets"]:
@@ -537,8 +593,11 @@ def main(argv=None) -> int:
     add("--seed", type=int, default=1, help="the data's seed")
     add("--timeout", type=float, default=1800, help="seconds a run may take")
     add("--quick", action="store_true", help="tables of 4,000 rows and less, few steps")
+    add("--padded", action="store_true", help="also run csrun's secondary form: padded "
+        "ids, the tables called one by one (a lookup per table)")
     add("--json", metavar="PATH", help="write the figures as JSON")
-    add("--task", choices=["csrun", "tf-server", "tf-chief"], help=argparse.SUPPRESS)
+    add("--task", choices=["csrun", "csrun-padded", "tf-server", "tf-chief"],
+        help=argparse.SUPPRESS)
     add("--tables", type=ints, help=argparse.SUPPRESS)
     add("--workers", type=int, help=argparse.SUPPRESS)
     add("--share", help=argparse.SUPPRESS)
@@ -546,7 +605,7 @@ def main(argv=None) -> int:
     add("--barrier", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.task:
-        return {"csrun": csrun_task, "tf-server": lambda a: tf_server(),
+        return {"csrun": csrun_task, "csrun-padded": csrun_task, "tf-server": lambda a: tf_server(),
                 "tf-chief": tf_chief}[args.task](args)
     problems = check(args)
     if problems:
