@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -383,13 +384,69 @@ def task_argv(python: str, task: str, args, workers: int, extra: list[str]) -> l
             *extra]
 
 
-def start(argv, cluster: dict, job: str, index: int, logs: Path, cwd=None, threads=None):
+def start(argv, cluster: dict, job: str, index: int, logs: Path, cwd=None,
+          launched: bool = False):
+    """Start a task; ``launched``: with the thread settings ``csrun launch`` gives its
+    tasks (:func:`csrun.core.runner.launch.thread_settings`), as csrun's users run."""
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
                                                  "task": {"type": job, "index": index}}))
-    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(threads)  # as `csrun launch` shares the cores
+    if launched:
+        from csrun.core.runner.launch import thread_settings
+        env.update(thread_settings(f"{job}:{index}", len(cluster["worker"])))
     log = open(logs / f"{job}{index}.log", "w")  # noqa: SIM115 -- closed by the reaper
     return subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+
+
+class CpuWatch:
+    """Every task's CPU seconds (its threads together), sampled every 0.1 s from
+    ``/proc`` (Linux; elsewhere nothing): what each kind of task spent on the measured
+    steps, read between their begin and end times."""
+
+    def __init__(self, procs: dict):
+        self.samples: list[tuple[float, dict]] = []
+        self._procs, self._stop = procs, threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _cpu(self, pid: int) -> float | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            now = {name: self._cpu(proc.pid) for name, proc in self._procs.items()}
+            self.samples.append((time.time(), now))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def spent(self, begin: float, end: float) -> dict | None:
+        """CPU seconds per task between ``begin`` and ``end`` (wall-clock times)."""
+        def at(when):
+            before = [s for s in self.samples if s[0] <= when]
+            return before[-1][1] if before else None
+        first, last = at(begin), at(end)
+        if not first or not last:
+            return None
+        return {name: round(last[name] - first[name], 3) for name in first
+                if first[name] is not None and last.get(name) is not None}
+
+
+def cpu_per_step(spent: dict | None, steps: int) -> dict | None:
+    """CPU milliseconds a global batch cost (``steps`` of them), by kind of task (worker,
+    ps, chief): what the tasks spent together, however many cores they had."""
+    if not spent:
+        return None
+    kinds: dict = {}
+    for name, seconds in spent.items():
+        kind = name.rstrip("0123456789")
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return {kind: round(1e3 * seconds / steps, 1) for kind, seconds in kinds.items()}
 
 
 def reap(procs: dict, waited: list[str], logs: Path, timeout: float) -> None:
@@ -421,18 +478,35 @@ def run_csrun(workers: int, ps: int, args, folder: Path, task: str = "csrun") ->
                "worker": [f"127.0.0.1:{p}" for p in ports[ps:]]}
     run = Path(tempfile.mkdtemp(prefix="csrun-", dir=folder))
     procs = {f"ps{k}": start(task_argv(sys.executable, task, args, workers, []),
-                             cluster, "ps", k, run, threads=1) for k in range(ps)}
+                             cluster, "ps", k, run, launched=True) for k in range(ps)}
     for w in range(workers):
         share = folder / f"W{workers}" / f"w{w}"
         procs[f"worker{w}"] = start(task_argv(sys.executable, task, args, workers, [
             "--share", str(share), "--result", str(run / f"w{w}.json"), "--barrier", str(run)]),
-            cluster, "worker", w, run, threads=max(1, (os.cpu_count() or 1) // workers))
-    reap(procs, [f"worker{w}" for w in range(workers)] + [f"ps{k}" for k in range(ps)], run,
-         args.timeout)
+            cluster, "worker", w, run, launched=True)
+    spies = spy_on(procs, args.spy, f"{task}-{workers}x{ps}") if args.spy else []
+    watch = CpuWatch(procs)
+    try:
+        reap(procs, [f"worker{w}" for w in range(workers)] + [f"ps{k}" for k in range(ps)],
+             run, args.timeout)
+    finally:
+        watch.stop()
+    for spy in spies:
+        spy.wait(timeout=60)
     results = [json.loads((run / f"w{w}.json").read_text()) for w in range(workers)]
-    span = max(r["end"] for r in results) - min(r["begin"] for r in results)
-    return {"examples_per_s": sum(r["examples"] for r in results) / span, "seconds": span,
-            "losses": results[0]["losses"]}
+    begin, end = min(r["begin"] for r in results), max(r["end"] for r in results)
+    return {"examples_per_s": sum(r["examples"] for r in results) / (end - begin),
+            "seconds": end - begin, "losses": results[0]["losses"],
+            "cpu_ms_per_batch": cpu_per_step(watch.spent(begin, end), args.steps)}
+
+
+def spy_on(procs: dict, folder: str, label: str) -> list:
+    """py-spy samples (every thread, 200 Hz) of worker0 and ps0 into ``folder``."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(["py-spy", "record", "--format", "raw", "--threads", "--rate",
+                              "200", "-o", str(Path(folder) / f"{label}-{name}.txt"), "-p",
+                              str(procs[name].pid)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for name in ("worker0", "ps0")]
 
 
 def run_tf(workers: int, ps: int, args, folder: Path) -> dict:
@@ -449,11 +523,16 @@ def run_tf(workers: int, ps: int, args, folder: Path) -> dict:
                                     cwd=folder / f"W{workers}" / f"w{w}")
     procs["chief0"] = start(task_argv(args.tf_python, "tf-chief", args, workers, [
         "--result", str(run / "chief.json")]), cluster, "chief", 0, run, cwd=run)
-    reap(procs, ["chief0"], run, args.timeout)
+    watch = CpuWatch(procs)
+    try:
+        reap(procs, ["chief0"], run, args.timeout)
+    finally:
+        watch.stop()
     result = json.loads((run / "chief.json").read_text())
     return {"examples_per_s": result["examples"] / (result["end"] - result["begin"]),
             "seconds": result["end"] - result["begin"], "losses": result["losses"],
-            "tensorflow": result["tensorflow"]}
+            "tensorflow": result["tensorflow"], "cpu_ms_per_batch": cpu_per_step(
+                watch.spent(result["begin"], result["end"]), args.steps)}
 
 
 def measured(run, workers: int, ps: int, args, folder: Path) -> dict:
@@ -504,7 +583,11 @@ def row(cell: str, r: int, pair: dict) -> str:
     if "csrun-padded" in pair:
         shown = f"{pair['padded_ratio']:8.2f}" if "padded_ratio" in pair else f"{'-':>8s}"
         line += f"  {side('csrun-padded')} {shown}"
-    return line
+    cpu = [f"{name} " + " ".join(f"{kind} {ms:.0f}" for kind, ms in
+                                 pair[name]["cpu_ms_per_batch"].items())
+           for name in ("csrun", "tf", "csrun-padded")
+           if name in pair and pair[name].get("cpu_ms_per_batch")]
+    return line + ("\n      CPU ms per global batch: " + "; ".join(cpu) if cpu else "")
 
 
 HEADER = (f"{'cell':5s} {'round':>5s} {'csrun ex/s':>10s} {'load':>11s} {'TF ex/s':>10s} "
@@ -596,6 +679,8 @@ def main(argv=None) -> int:
     add("--padded", action="store_true", help="also run csrun's secondary form: padded "
         "ids, the tables called one by one (a lookup per table)")
     add("--json", metavar="PATH", help="write the figures as JSON")
+    add("--spy", metavar="DIR", help="py-spy samples of csrun's worker0 and ps0 (py-spy "
+        "on PATH)")
     add("--task", choices=["csrun", "csrun-padded", "tf-server", "tf-chief"],
         help=argparse.SUPPRESS)
     add("--tables", type=ints, help=argparse.SUPPRESS)
