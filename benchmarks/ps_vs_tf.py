@@ -197,8 +197,15 @@ def csrun_task(args) -> int:
     from csrun.core import FixedShardsPartitioner, ParameterServerStrategy
     strategy = ParameterServerStrategy(
         timeout=600, variable_partitioner=FixedShardsPartitioner(args.shards))
+    me = json.loads(os.environ["TF_CONFIG"])["task"]
+    profile = profiler(args, me) if me["index"] == 0 else None
     if strategy.extended.is_ps:
+        if profile:
+            profile.enable()
         strategy.extended.join()
+        if profile:
+            profile.disable()
+            profile.dump_stats(str(Path(args.profile) / f"{args.task}-ps0-{args.workers}w.prof"))
         return 0
     data = read_share(Path(args.share), len(args.tables), args.hotness)
     local = args.batch // args.workers
@@ -219,14 +226,28 @@ def csrun_task(args) -> int:
         if i == args.warmup:
             barrier(Path(args.barrier), args.workers)
             begin = time.time()
+            if profile:
+                profile.enable()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(strategy.run(step, args=batch)))
         optimizer.step()
     end = time.time()
+    if profile:
+        profile.disable()
+        profile.dump_stats(str(Path(args.profile) / f"{args.task}-worker0-{args.workers}w.prof"))
     strategy.extended.finish()
     Path(args.result).write_text(json.dumps({"begin": begin, "end": end, "losses": losses,
                                              "examples": args.steps * local}))
     return 0
+
+
+def profiler(args, me: dict):
+    """--profile: a cProfile of worker0's measured steps, and of ps0's serving."""
+    if not args.profile:
+        return None
+    import cProfile
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    return cProfile.Profile()
 
 
 def barrier(folder: Path, parties: int) -> None:
@@ -381,6 +402,7 @@ def task_argv(python: str, task: str, args, workers: int, extra: list[str]) -> l
             "--hotness", ",".join(map(str, args.hotness)), "--batch", str(args.batch),
             "--workers", str(workers), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--shards", str(args.shards),
+            *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
             *extra]
 
 
@@ -679,6 +701,8 @@ def main(argv=None) -> int:
     add("--padded", action="store_true", help="also run csrun's secondary form: padded "
         "ids, the tables called one by one (a lookup per table)")
     add("--json", metavar="PATH", help="write the figures as JSON")
+    add("--profile", metavar="DIR", help="cProfile files of csrun's worker0 (its measured "
+        "steps) and ps0 (its serving)")
     add("--spy", metavar="DIR", help="py-spy samples of csrun's worker0 and ps0 (py-spy "
         "on PATH)")
     add("--task", choices=["csrun", "csrun-padded", "tf-server", "tf-chief"],
