@@ -20,6 +20,7 @@ import threading
 import torch
 
 from .optimizer_spec import (OptimizerRefused, apply_settings, optimizer_class, sparse_exact)
+from .row_updates import row_update_exact, row_updater
 from .shard_files import ShardFile, ShardFileError, write_file
 from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
 
@@ -57,6 +58,7 @@ class HeldShards:
         self._group_index: list[int] = []          # the worker's group of each of ours
         self._group_of: dict[int, dict] = {}       # id(shard) -> its optimizer group
         self._sparse_exact: dict[int, bool] = {}      # id(group) -> sparse_exact()
+        self._rows_exact: dict[int, bool] = {}  # id(group) -> row_update_exact()
         self._buffers: dict[int, torch.Tensor] = {}  # shard id -> dense gradient buffer
         self._lock = threading.Lock()
         self.version = 0
@@ -130,6 +132,8 @@ class HeldShards:
             self._group_of = {id(p): g for g in self._optimizer.param_groups
                               for p in g["params"]}
             self._sparse_exact = {id(g): sparse_exact(cls, g) for g in self._optimizer.param_groups}
+            self._rows_exact = {id(g): row_update_exact(cls, g)
+                                for g in self._optimizer.param_groups}
 
     # -- reads and writes ------------------------------------------------------------------
     def values(self) -> list[torch.Tensor]:
@@ -196,10 +200,17 @@ class HeldShards:
             tensor.grad = None
         for tensor, grad in zip(dense, grads):
             tensor.grad = grad
-        written = []
+        apply_settings(self._optimizer, self._group_index, meta.get("settings") or [])
+        written, by_rows = [], []
         for shard, wanted, values, mode in row_grads:
             table = self._vars[shard]
-            if mode == "sparse" or self._sparse_exact[id(self._group_of[id(table)])]:
+            group = self._group_of[id(table)]
+            if mode == "sparse" or self._sparse_exact[id(group)]:
+                update = row_updater(self._optimizer, group, table) \
+                    if self._rows_exact.get(id(group)) else None
+                if update is not None:  # torch's sparse update, on the rows alone
+                    by_rows.append((update, wanted, values))
+                    continue
                 table.grad = _sparse(wanted, values, table.shape)
             else:  # the dense gradient those rows stand for, zero elsewhere
                 buffer = self._buffers.get(shard)
@@ -207,13 +218,14 @@ class HeldShards:
                     buffer = self._buffers[shard] = torch.zeros_like(table)
                 table.grad = buffer.index_copy_(0, wanted, values)
                 written.append((buffer, wanted))
-        apply_settings(self._optimizer, self._group_index, meta.get("settings") or [])
         try:
             # torch warns that its sparse invariant checks are off, once per process, when
             # an optimizer rebuilds a sparse tensor from ours: every id was checked here
             # (_checked_rows), so the check is off knowingly for this step alone
             with torch.sparse.check_sparse_tensor_invariants(enable=False):
                 self._optimizer.step()
+            for update, wanted, values in by_rows:
+                update(wanted, values)
         except (RuntimeError, ValueError) as exc:  # e.g. no sparse update for a setting
             raise RuntimeError(f"cannot apply the update with "
                                f"{type(self._optimizer).__name__}: {exc}") from None
