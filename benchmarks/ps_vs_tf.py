@@ -197,8 +197,8 @@ def csrun_task(args) -> int:
     from csrun.core import FixedShardsPartitioner, ParameterServerStrategy
     strategy = ParameterServerStrategy(
         timeout=600, variable_partitioner=FixedShardsPartitioner(args.shards))
-    me = json.loads(os.environ["TF_CONFIG"])["task"]
-    profile = profiler(args, me) if me["index"] == 0 else None
+    first = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+    profile = profiler(args) if first else None
     if strategy.extended.is_ps:
         if profile:
             profile.enable()
@@ -241,7 +241,7 @@ def csrun_task(args) -> int:
     return 0
 
 
-def profiler(args, me: dict):
+def profiler(args):
     """--profile: a cProfile of worker0's measured steps, and of ps0's serving."""
     if not args.profile:
         return None
