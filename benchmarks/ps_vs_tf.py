@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -117,16 +119,23 @@ def read_share(folder: Path, tables: int, hotness) -> dict:
 
 
 # -- csrun's tasks ----------------------------------------------------------------------
-def csrun_model(tables, hotness):
+def csrun_model(tables, jagged: bool):
+    """The model as a csrun user writes it: the tables in an ``EmbeddingBagCollection``
+    fed jagged features (one lookup per ps a step, no padding); ``jagged=False``: the
+    secondary form, ``nn.EmbeddingBag`` tables called one by one on padded ids (padding
+    weighed 0, the sum divided by the count)."""
     import torch
     import torch.nn as nn
+
+    from csrun.core import EmbeddingBagCollection
 
     class WideAndDeep(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tables = nn.ModuleList([nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True)
-                                         for rows in tables])
-            for table in self.tables:
+            bags = {f"t{t}": nn.EmbeddingBag(rows, DIM, mode="mean" if jagged else "sum",
+                                             sparse=True) for t, rows in enumerate(tables)}
+            self.tables = EmbeddingBagCollection(bags) if jagged else nn.ModuleDict(bags)
+            for table in bags.values():
                 nn.init.normal_(table.weight, std=0.05)
             sizes = (DENSE + DIM * len(tables), *HIDDEN)
             layers = []
@@ -135,14 +144,50 @@ def csrun_model(tables, hotness):
             self.deep = nn.Sequential(*layers, nn.Linear(sizes[-1], 1))
             self.wide = nn.Linear(DENSE, 1)
 
-        def forward(self, dense, *features):
-            bags = []
-            for table, (ids, lengths) in zip(self.tables, zip(features[::2], features[1::2])):
-                mask = (torch.arange(ids.shape[1]) < lengths[:, None]).float()
-                bags.append(table(ids, per_sample_weights=mask) / lengths[:, None])
+        def forward(self, dense, features):
+            if jagged:  # {"t0": JaggedTensor, ...}: every table's rows in one request per ps
+                pooled = self.tables(features)
+                bags = [pooled[f"t{t}"] for t in range(len(tables))]
+            else:  # {"t0": (padded ids, lengths), ...}
+                bags = []
+                for t in range(len(tables)):
+                    ids, lengths = features[f"t{t}"]
+                    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).float()
+                    bags.append(self.tables[f"t{t}"](ids, per_sample_weights=mask)
+                                / lengths[:, None])
             return (self.deep(torch.cat([dense, *bags], 1)) + self.wide(dense)).squeeze(1)
 
     return WideAndDeep()
+
+
+def csrun_batches(data: dict, tables: int, local: int, count: int, jagged: bool):
+    """The share's first ``count`` batches of ``local`` examples: (dense, label,
+    features), a feature a ``JaggedTensor`` (the ids without padding) or (padded ids,
+    lengths)."""
+    import torch
+
+    from csrun.core import JaggedTensor
+    columns = {}
+    for t in range(tables):
+        ids, lengths = data[f"ids{t}"], data[f"len{t}"].astype(np.int64)
+        if jagged:  # as a user's data hold them: each example's ids, one after another
+            values = ids[np.arange(ids.shape[1])[None, :] < lengths[:, None]]
+            starts = np.concatenate([[0], np.cumsum(lengths)])
+            columns[t] = (values, starts, lengths)
+        else:
+            columns[t] = (ids, None, lengths)
+    out = []
+    for i in range(count):
+        a, b = i * local, (i + 1) * local
+        features = {}
+        for t, (ids, starts, lengths) in columns.items():
+            n = torch.from_numpy(lengths[a:b])
+            features[f"t{t}"] = (JaggedTensor.from_lengths(
+                torch.from_numpy(ids[starts[a]:starts[b]]), n) if jagged
+                else (torch.from_numpy(ids[a:b]), n))
+        out.append((torch.from_numpy(data["dense"][a:b]), torch.from_numpy(data["label"][a:b]),
+                    features))
+    return out
 
 
 def csrun_task(args) -> int:
@@ -152,38 +197,57 @@ def csrun_task(args) -> int:
     from csrun.core import FixedShardsPartitioner, ParameterServerStrategy
     strategy = ParameterServerStrategy(
         timeout=600, variable_partitioner=FixedShardsPartitioner(args.shards))
+    first = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+    profile = profiler(args) if first else None
     if strategy.extended.is_ps:
+        if profile:
+            profile.enable()
         strategy.extended.join()
+        if profile:
+            profile.disable()
+            profile.dump_stats(str(Path(args.profile) / f"{args.task}-ps0-{args.workers}w.prof"))
         return 0
     data = read_share(Path(args.share), len(args.tables), args.hotness)
     local = args.batch // args.workers
+    jagged = args.task == "csrun"
+    batches = csrun_batches(data, len(args.tables), local, args.warmup + args.steps, jagged)
     torch.manual_seed(0)
     with strategy.scope():
-        model = csrun_model(args.tables, args.hotness)
+        model = csrun_model(args.tables, jagged)
         optimizer = torch.optim.Adagrad(model.parameters(), lr=args.lr, eps=ADAGRAD_EPS)
 
-    def step(dense, label, *features):
-        loss = F.binary_cross_entropy_with_logits(model(dense, *features), label)
+    def step(dense, label, features):
+        loss = F.binary_cross_entropy_with_logits(model(dense, features), label)
         loss.backward()
         return loss.detach()
 
-    names = ["dense", "label"] + [f"{k}{t}" for t in range(len(args.tables))
-                                  for k in ("ids", "len")]
     losses, begin = [], None
-    for i in range(args.warmup + args.steps):
-        part = slice(i * local, (i + 1) * local)
-        batch = [torch.from_numpy(data[n][part]) for n in names]
+    for i, batch in enumerate(batches):
         if i == args.warmup:
             barrier(Path(args.barrier), args.workers)
             begin = time.time()
+            if profile:
+                profile.enable()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(strategy.run(step, args=batch)))
         optimizer.step()
     end = time.time()
+    if profile:
+        profile.disable()
+        profile.dump_stats(str(Path(args.profile) / f"{args.task}-worker0-{args.workers}w.prof"))
     strategy.extended.finish()
     Path(args.result).write_text(json.dumps({"begin": begin, "end": end, "losses": losses,
                                              "examples": args.steps * local}))
     return 0
+
+
+def profiler(args):
+    """--profile: a cProfile of worker0's measured steps, and of ps0's serving."""
+    if not args.profile:
+        return None
+    import cProfile
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    return cProfile.Profile()
 
 
 def barrier(folder: Path, parties: int) -> None:
@@ -338,16 +402,73 @@ def task_argv(python: str, task: str, args, workers: int, extra: list[str]) -> l
             "--hotness", ",".join(map(str, args.hotness)), "--batch", str(args.batch),
             "--workers", str(workers), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--shards", str(args.shards),
+            *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
             *extra]
 
 
-def start(argv, cluster: dict, job: str, index: int, logs: Path, cwd=None, threads=None):
+def start(argv, cluster: dict, job: str, index: int, logs: Path, cwd=None,
+          launched: bool = False):
+    """Start a task; ``launched``: with the thread settings ``csrun launch`` gives its
+    tasks (:func:`csrun.core.runner.launch.thread_settings`), as csrun's users run."""
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
                                                  "task": {"type": job, "index": index}}))
-    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(threads)  # as `csrun launch` shares the cores
+    if launched:
+        from csrun.core.runner.launch import thread_settings
+        env.update(thread_settings(f"{job}:{index}", len(cluster["worker"])))
     log = open(logs / f"{job}{index}.log", "w")  # noqa: SIM115 -- closed by the reaper
     return subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+
+
+class CpuWatch:
+    """Every task's CPU seconds (its threads together), sampled every 0.1 s from
+    ``/proc`` (Linux; elsewhere nothing): what each kind of task spent on the measured
+    steps, read between their begin and end times."""
+
+    def __init__(self, procs: dict):
+        self.samples: list[tuple[float, dict]] = []
+        self._procs, self._stop = procs, threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _cpu(self, pid: int) -> float | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            now = {name: self._cpu(proc.pid) for name, proc in self._procs.items()}
+            self.samples.append((time.time(), now))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def spent(self, begin: float, end: float) -> dict | None:
+        """CPU seconds per task between ``begin`` and ``end`` (wall-clock times)."""
+        def at(when):
+            before = [s for s in self.samples if s[0] <= when]
+            return before[-1][1] if before else None
+        first, last = at(begin), at(end)
+        if not first or not last:
+            return None
+        return {name: round(last[name] - first[name], 3) for name in first
+                if first[name] is not None and last.get(name) is not None}
+
+
+def cpu_per_step(spent: dict | None, steps: int) -> dict | None:
+    """CPU milliseconds a global batch cost (``steps`` of them), by kind of task (worker,
+    ps, chief): what the tasks spent together, however many cores they had."""
+    if not spent:
+        return None
+    kinds: dict = {}
+    for name, seconds in spent.items():
+        kind = name.rstrip("0123456789")
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return {kind: round(1e3 * seconds / steps, 1) for kind, seconds in kinds.items()}
 
 
 def reap(procs: dict, waited: list[str], logs: Path, timeout: float) -> None:
@@ -371,25 +492,43 @@ def reap(procs: dict, waited: list[str], logs: Path, timeout: float) -> None:
                 proc.wait()
 
 
-def run_csrun(workers: int, ps: int, args, folder: Path) -> dict:
+def run_csrun(workers: int, ps: int, args, folder: Path, task: str = "csrun") -> dict:
+    """``task``: ``csrun`` (the collection on jagged features) or ``csrun-padded``."""
     from csrun.core.runner.launch import free_ports
     ports = free_ports(workers + ps)
     cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:ps]],
                "worker": [f"127.0.0.1:{p}" for p in ports[ps:]]}
     run = Path(tempfile.mkdtemp(prefix="csrun-", dir=folder))
-    procs = {f"ps{k}": start(task_argv(sys.executable, "csrun", args, workers, []),
-                             cluster, "ps", k, run, threads=1) for k in range(ps)}
+    procs = {f"ps{k}": start(task_argv(sys.executable, task, args, workers, []),
+                             cluster, "ps", k, run, launched=True) for k in range(ps)}
     for w in range(workers):
         share = folder / f"W{workers}" / f"w{w}"
-        procs[f"worker{w}"] = start(task_argv(sys.executable, "csrun", args, workers, [
+        procs[f"worker{w}"] = start(task_argv(sys.executable, task, args, workers, [
             "--share", str(share), "--result", str(run / f"w{w}.json"), "--barrier", str(run)]),
-            cluster, "worker", w, run, threads=max(1, (os.cpu_count() or 1) // workers))
-    reap(procs, [f"worker{w}" for w in range(workers)] + [f"ps{k}" for k in range(ps)], run,
-         args.timeout)
+            cluster, "worker", w, run, launched=True)
+    spies = spy_on(procs, args.spy, f"{task}-{workers}x{ps}") if args.spy else []
+    watch = CpuWatch(procs)
+    try:
+        reap(procs, [f"worker{w}" for w in range(workers)] + [f"ps{k}" for k in range(ps)],
+             run, args.timeout)
+    finally:
+        watch.stop()
+    for spy in spies:
+        spy.wait(timeout=60)
     results = [json.loads((run / f"w{w}.json").read_text()) for w in range(workers)]
-    span = max(r["end"] for r in results) - min(r["begin"] for r in results)
-    return {"examples_per_s": sum(r["examples"] for r in results) / span, "seconds": span,
-            "losses": results[0]["losses"]}
+    begin, end = min(r["begin"] for r in results), max(r["end"] for r in results)
+    return {"examples_per_s": sum(r["examples"] for r in results) / (end - begin),
+            "seconds": end - begin, "losses": results[0]["losses"],
+            "cpu_ms_per_batch": cpu_per_step(watch.spent(begin, end), args.steps)}
+
+
+def spy_on(procs: dict, folder: str, label: str) -> list:
+    """py-spy samples (every thread, 200 Hz) of worker0 and ps0 into ``folder``."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(["py-spy", "record", "--format", "raw", "--threads", "--rate",
+                              "200", "-o", str(Path(folder) / f"{label}-{name}.txt"), "-p",
+                              str(procs[name].pid)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for name in ("worker0", "ps0")]
 
 
 def run_tf(workers: int, ps: int, args, folder: Path) -> dict:
@@ -406,11 +545,16 @@ def run_tf(workers: int, ps: int, args, folder: Path) -> dict:
                                     cwd=folder / f"W{workers}" / f"w{w}")
     procs["chief0"] = start(task_argv(args.tf_python, "tf-chief", args, workers, [
         "--result", str(run / "chief.json")]), cluster, "chief", 0, run, cwd=run)
-    reap(procs, ["chief0"], run, args.timeout)
+    watch = CpuWatch(procs)
+    try:
+        reap(procs, ["chief0"], run, args.timeout)
+    finally:
+        watch.stop()
     result = json.loads((run / "chief.json").read_text())
     return {"examples_per_s": result["examples"] / (result["end"] - result["begin"]),
             "seconds": result["end"] - result["begin"], "losses": result["losses"],
-            "tensorflow": result["tensorflow"]}
+            "tensorflow": result["tensorflow"], "cpu_ms_per_batch": cpu_per_step(
+                watch.spent(result["begin"], result["end"]), args.steps)}
 
 
 def measured(run, workers: int, ps: int, args, folder: Path) -> dict:
@@ -427,12 +571,17 @@ def cell_rounds(cell: str, args, folder: Path, tf_ok: bool) -> dict:
     workers, ps = (int(n) for n in cell.split("x"))
     rounds = []
     for r in range(args.rounds):
-        sides = [("csrun", run_csrun)] + ([("tf", run_tf)] if tf_ok else [])
+        sides = [("csrun", run_csrun)] + ([("tf", run_tf)] if tf_ok else []) + (
+            [("csrun-padded", functools.partial(run_csrun, task="csrun-padded"))]
+            if args.padded else [])
         if r % 2:
             sides.reverse()  # alternate which goes first: drift hits both
         pair = {name: measured(run, workers, ps, args, folder) for name, run in sides}
         if tf_ok:
             pair["ratio"] = pair["csrun"]["examples_per_s"] / pair["tf"]["examples_per_s"]
+            if args.padded:
+                pair["padded_ratio"] = (pair["csrun-padded"]["examples_per_s"]
+                                        / pair["tf"]["examples_per_s"])
         rounds.append(pair)
         print(row(cell, r + 1, pair), flush=True)
     out = {"workers": workers, "ps": ps, "rounds": rounds,
@@ -440,6 +589,9 @@ def cell_rounds(cell: str, args, folder: Path, tf_ok: bool) -> dict:
     if tf_ok:
         out["tf_median"] = statistics.median(p["tf"]["examples_per_s"] for p in rounds)
         out["ratio_median"] = statistics.median(p["ratio"] for p in rounds)
+    if args.padded:
+        out["padded_median"] = statistics.median(p["csrun-padded"]["examples_per_s"]
+                                                 for p in rounds)
     return out
 
 
@@ -449,11 +601,20 @@ def row(cell: str, r: int, pair: dict) -> str:
         return f"{'-':>10s} {'':>11s}" if v is None else \
             f"{v['examples_per_s']:10.0f} {v['load_before']:5.1f}/{v['load_after']:<5.1f}"
     ratio = f"{pair['ratio']:8.2f}" if "ratio" in pair else f"{'-':>8s}"
-    return f"{cell:5s} {r:5d} {side('csrun')} {side('tf')} {ratio}"
+    line = f"{cell:5s} {r:5d} {side('csrun')} {side('tf')} {ratio}"
+    if "csrun-padded" in pair:
+        shown = f"{pair['padded_ratio']:8.2f}" if "padded_ratio" in pair else f"{'-':>8s}"
+        line += f"  {side('csrun-padded')} {shown}"
+    cpu = [f"{name} " + " ".join(f"{kind} {ms:.0f}" for kind, ms in
+                                 pair[name]["cpu_ms_per_batch"].items())
+           for name in ("csrun", "tf", "csrun-padded")
+           if name in pair and pair[name].get("cpu_ms_per_batch")]
+    return line + ("\n      CPU ms per global batch: " + "; ".join(cpu) if cpu else "")
 
 
 HEADER = (f"{'cell':5s} {'round':>5s} {'csrun ex/s':>10s} {'load':>11s} {'TF ex/s':>10s} "
           f"{'load':>11s} {'csrun/TF':>8s}")
+PADDED_HEADER = f"  {'padded ex/s':>10s} {'load':>11s} {'padded/TF':>8s}"
 
 
 def targets(cells: dict, tf_ok: bool) -> list[dict]:
@@ -489,7 +650,7 @@ def measure(args) -> dict:
                         args.zipf, args.seed)
         for workers in sorted({int(c.split("x")[0]) for c in grid}):
             write_shares(folder / f"W{workers}", data, args.batch, workers)
-        print(HEADER, flush=True)
+        print(HEADER + (PADDED_HEADER if args.padded else ""), flush=True)
         result["cells"] = {cell: cell_rounds(cell, args, folder, tf_ok) for cell in grid}
     result["targets"] = targets(result["cells"], tf_ok)
     for t in result["targets"]:
@@ -537,8 +698,15 @@ def main(argv=None) -> int:
     add("--seed", type=int, default=1, help="the data's seed")
     add("--timeout", type=float, default=1800, help="seconds a run may take")
     add("--quick", action="store_true", help="tables of 4,000 rows and less, few steps")
+    add("--padded", action="store_true", help="also run csrun's secondary form: padded "
+        "ids, the tables called one by one (a lookup per table)")
     add("--json", metavar="PATH", help="write the figures as JSON")
-    add("--task", choices=["csrun", "tf-server", "tf-chief"], help=argparse.SUPPRESS)
+    add("--profile", metavar="DIR", help="cProfile files of csrun's worker0 (its measured "
+        "steps) and ps0 (its serving)")
+    add("--spy", metavar="DIR", help="py-spy samples of csrun's worker0 and ps0 (py-spy "
+        "on PATH)")
+    add("--task", choices=["csrun", "csrun-padded", "tf-server", "tf-chief"],
+        help=argparse.SUPPRESS)
     add("--tables", type=ints, help=argparse.SUPPRESS)
     add("--workers", type=int, help=argparse.SUPPRESS)
     add("--share", help=argparse.SUPPRESS)
@@ -546,7 +714,7 @@ def main(argv=None) -> int:
     add("--barrier", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.task:
-        return {"csrun": csrun_task, "tf-server": lambda a: tf_server(),
+        return {"csrun": csrun_task, "csrun-padded": csrun_task, "tf-server": lambda a: tf_server(),
                 "tf-chief": tf_chief}[args.task](args)
     problems = check(args)
     if problems:

@@ -22,6 +22,7 @@ import torch
 from .initializers import RANDOM_STEPS, TableInitializer, chunking_holds
 from .optimizer_spec import (OptimizerRefused, apply_settings, built, optimizer_class,
                              sparse_exact)
+from .row_updates import row_update_exact, row_updater
 from .shard_files import ShardFile, ShardFileError, write_file
 from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
 
@@ -63,6 +64,7 @@ class HeldShards:
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(shard) -> its optimizer
         self._made: dict[int, tuple] = {}          # key -> (class, its variables)
         self._sparse_exact: dict[int, bool] = {}      # id(group) -> sparse_exact()
+        self._rows_exact: dict[int, bool] = {}  # id(group) -> row_update_exact()
         self._buffers: dict[int, torch.Tensor] = {}  # shard id -> dense gradient buffer
         self._lock = threading.Lock()
         self.version = 0
@@ -155,6 +157,7 @@ class HeldShards:
             self._optimizers[key] = optimizer
             for group in optimizer.param_groups:
                 self._sparse_exact[id(group)] = sparse_exact(cls, group)
+                self._rows_exact[id(group)] = row_update_exact(cls, group)
                 for p in group["params"]:
                     self._group_of[id(p)], self._owner[id(p)] = group, optimizer
 
@@ -226,10 +229,18 @@ class HeldShards:
             tensor.grad = None
         for tensor, grad in zip(dense, grads):
             tensor.grad = grad
-        written = []
+        key = int(meta.get("optimizer", 0))
+        apply_settings(optimizer, self._group_index[key], meta.get("settings") or [])
+        written, by_rows = [], []
         for shard, wanted, values, mode in row_grads:
             table = self._vars[shard]
-            if mode == "sparse" or self._sparse_exact[id(self._group_of[id(table)])]:
+            group = self._group_of[id(table)]
+            if mode == "sparse" or self._sparse_exact[id(group)]:
+                update = row_updater(optimizer, group, table) \
+                    if self._rows_exact.get(id(group)) else None
+                if update is not None:  # torch's sparse update, on the rows alone
+                    by_rows.append((update, wanted, values))
+                    continue
                 table.grad = _sparse(wanted, values, table.shape)
             else:  # the dense gradient those rows stand for, zero elsewhere
                 buffer = self._buffers.get(shard)
@@ -237,14 +248,14 @@ class HeldShards:
                     buffer = self._buffers[shard] = torch.zeros_like(table)
                 table.grad = buffer.index_copy_(0, wanted, values)
                 written.append((buffer, wanted))
-        key = int(meta.get("optimizer", 0))
-        apply_settings(optimizer, self._group_index[key], meta.get("settings") or [])
         try:
             # torch warns that its sparse invariant checks are off, once per process, when
             # an optimizer rebuilds a sparse tensor from ours: every id was checked here
             # (_checked_rows), so the check is off knowingly for this step alone
             with torch.sparse.check_sparse_tensor_invariants(enable=False):
                 optimizer.step()
+            for update, wanted, values in by_rows:
+                update(wanted, values)
         except (RuntimeError, ValueError) as exc:  # e.g. no sparse update for a setting
             raise RuntimeError(f"cannot apply the update with "
                                f"{type(optimizer).__name__}: {exc}") from None

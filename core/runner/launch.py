@@ -45,7 +45,7 @@ from .preflight import load_config
 from .preflight import check_writable
 from ..config.problems import ConfigError, Problem
 
-__all__ = ["LaunchPlan", "LaunchResult", "TaskStarted", "TaskOutput", "TaskExited",
+__all__ = ["LaunchPlan", "LaunchResult", "thread_settings", "TaskStarted", "TaskOutput", "TaskExited",
            "plan_launch", "launch", "tf_config", "describe_exit", "MAX_TASKS"]
 
 MAX_TASKS = max(8, 4 * (os.cpu_count() or 1))  # each task is a Python process with torch
@@ -273,11 +273,31 @@ def _environment(plan: LaunchPlan, task: str, environ: dict[str, str] | None = N
     env = dict(os.environ, **(environ or {}), TF_CONFIG=plan.tf_config(task),
                PYTHONUNBUFFERED="1",
                CSRUN_LAUNCHER_PID=str(os.getpid()))  # the task ends with its launcher
-    if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
-        trainers = len(plan.cluster.get("worker", [])) + len(plan.cluster.get("chief", []))
-        threads = 1 if task.startswith("ps") else max(1, (os.cpu_count() or 1) // trainers)
-        env["OMP_NUM_THREADS"] = str(threads)
+    trainers = len(plan.cluster.get("worker", [])) + len(plan.cluster.get("chief", []))
+    env.update(thread_settings(task, trainers))
     return env
+
+
+def thread_settings(task: str, trainers: int, environ: dict[str, str] | None = None
+                    ) -> dict[str, str]:
+    """The OpenMP settings ``csrun launch`` gives ``task`` (``ps:0``, ``worker:1``) of a
+    job with ``trainers`` workers (the chief included), all on this machine's cores;
+    a variable set in ``environ`` (default: this process's) is the user's and kept.
+
+    ``OMP_NUM_THREADS``: each trainer ``cpu_count // trainers`` threads, each ps one, as
+    torchrun shares the cores. ``OMP_WAIT_POLICY=PASSIVE``: a task's idle OpenMP threads
+    sleep instead of spinning; the tasks take turns (a worker waits for its ps, the ps for
+    the next request), and a spinning team held the cores the other task needed (issue
+    37's model at 1 worker x 1 ps: a worker's 2 threads made its batch 2.5x slower).
+    """
+    environ = os.environ if environ is None else environ
+    out = {}
+    if "OMP_NUM_THREADS" not in environ:
+        out["OMP_NUM_THREADS"] = str(1 if task.startswith("ps") else
+                                     max(1, (os.cpu_count() or 1) // max(1, trainers)))
+    if "OMP_WAIT_POLICY" not in environ:
+        out["OMP_WAIT_POLICY"] = "PASSIVE"
+    return out
 
 
 def launch(plan: LaunchPlan, on_event: Callable[[Any], None] | None = None,

@@ -202,3 +202,23 @@ def _alive(pid):
     except ChildProcessError:
         return False
     return done == 0
+
+
+def test_launched_tasks_share_the_cores_and_sleep_when_idle(monkeypatch):
+    from csrun.core.runner.launch import thread_settings
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert thread_settings("worker:1", 2, {}) == {"OMP_NUM_THREADS": "4",
+                                                  "OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_settings("ps:0", 2, {})["OMP_NUM_THREADS"] == "1"
+    assert thread_settings("chief:0", 16, {})["OMP_NUM_THREADS"] == "1"
+    # what the user set is kept: neither is given
+    assert thread_settings("worker:0", 2, {"OMP_NUM_THREADS": "3",
+                                           "OMP_WAIT_POLICY": "ACTIVE"}) == {}
+
+
+def test_every_launched_task_gets_the_thread_settings(tmp_path, monkeypatch):
+    from csrun.core.runner.launch import _environment
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = _environment(plan(tmp_path), "worker:0")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and int(env["OMP_NUM_THREADS"]) >= 1
