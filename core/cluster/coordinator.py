@@ -22,8 +22,10 @@ from .transport import (BoundedStore, DuplicateTask, JobAborted, ParameterServer
                         Stopped, StoppedAnswering, agree, connect_store, poll_until,
                         transport_error)
 
-__all__ = ["JobCoordinator", "ServerBooks", "CLAIM_GRACE_S", "stopped_answering"]
+__all__ = ["JobCoordinator", "ServerBooks", "CLAIM_GRACE_S", "ENDED_BY_CHIEF",
+           "stopped_answering"]
 
+ENDED_BY_CHIEF = "the chief ended the job"  # how every other task then ends (launch reads it)
 CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
 
 
@@ -293,7 +295,7 @@ class JobCoordinator:
         stops. A job a ps ended first keeps the ps's reason: the first failure's."""
         self.close()
         try:
-            record_abort(self.store, f"the chief ended the job: {reason}")
+            record_abort(self.store, f"{ENDED_BY_CHIEF}: {reason}")
             read_abort(self.store, self._heard)  # the chief knows: ps:0 need not wait
             self.store.set(keys.DONE, "1")
         except (RuntimeError, ParameterServerError):  # ps:0, and the store, is gone

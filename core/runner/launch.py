@@ -44,6 +44,7 @@ from ..config.schema import RunConfig
 from .preflight import load_config
 from .preflight import check_writable
 from ..config.problems import ConfigError, Problem
+from ..cluster.coordinator import ENDED_BY_CHIEF
 
 __all__ = ["LaunchPlan", "LaunchResult", "thread_settings", "TaskStarted", "TaskOutput", "TaskExited",
            "plan_launch", "launch", "tf_config", "describe_exit", "MAX_TASKS"]
@@ -456,7 +457,10 @@ def _first_failure(tasks: dict[str, _Task], codes: dict, chief: str) -> str | No
     because of it."""
     failed = [n for n in tasks if codes[n] not in (0, None) and (
         n == chief or n.startswith("ps") or codes[n] > 0 and not tasks[n].signalled)]
-    return min(failed, key=lambda n: tasks[n].ended_at or 0) if failed else None
+    # a task ending with "the chief ended the job: ..." echoes the chief's failure and
+    # may exit before the chief does (it heard the reason first): the chief is the cause
+    own = [n for n in failed if not _reason(tasks[n]).startswith(ENDED_BY_CHIEF)]
+    return min(own or failed, key=lambda n: tasks[n].ended_at or 0) if failed else None
 
 
 def _error(first: str, chief: str, codes: dict, tasks: dict[str, _Task]) -> str:

@@ -120,6 +120,19 @@ def test_a_failed_ps_fails_the_job_and_is_named_first(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
+def test_a_task_echoing_the_chiefs_failure_is_not_named_first(tmp_path):
+    # the ps hears the chief's reason and exits before the chief does: the chief is named
+    echo = ("import sys; print('error: the chief ended the job: worker:0 failed: bad "
+            "checkpoint', file=sys.stderr); sys.exit(1)")
+    result, _ = run(plan(tmp_path, ps_0=echo,
+                         worker_0="import sys, time; time.sleep(1); print('error: bad "
+                                  "checkpoint', file=sys.stderr); sys.exit(1)"))
+    assert result.status == "failed" and result.failed_task == "worker:0"
+    assert result.error.startswith("worker:0 failed first (exit 1): bad checkpoint")
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
 def test_when_the_chief_fails_the_others_are_stopped(tmp_path):
     forever = "import time; time.sleep(60)"
     result, _ = run(plan(tmp_path, worker_0="raise SystemExit(1)", ps_0=forever,
