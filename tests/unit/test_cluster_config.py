@@ -277,9 +277,9 @@ def test_a_worker_whose_store_host_dies_gets_the_clear_ps_error():
     try:
         assert host.stdout.readline().strip() == "up"
         raw = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
-        client = JobCoordinator.__new__(JobCoordinator)  # only its store is used
+        client = JobCoordinator.__new__(JobCoordinator)  # only its store and task list
         client.store = _job_store(raw, f"127.0.0.1:{port}", "worker:1", 5)
-        client.watch = None
+        client.watch, client.workers = None, ["worker:0", "worker:1"]
         assert client.global_step == 0
         host.kill()
         host.wait()
