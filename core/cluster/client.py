@@ -22,7 +22,8 @@ from .resolvers import ClusterResolver
 from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, Caller, Channel,
                         ClusterMismatch, JobAborted,
-                        ParameterServerError, decode, encode, flat_by_dtype, gloo_device,
+                        ParameterServerError, connect_store, decode, encode, flat_by_dtype,
+                        gloo_device,
                         pack_state, store_host, unflatten_into, unpack_state)
 
 __all__ = ["ParameterServerClient", "Push", "HandlerError"]
@@ -71,7 +72,11 @@ class ParameterServerClient:
         # the whole exchange by the timeout
         bound = datetime.timedelta(seconds=2 * timeout + 5)
         device = gloo_device(store_host(resolver))
-        raw, name = coordinator.store.raw, coordinator.name
+        # the channels meet through a connection of their own: a TCPStore client answers
+        # one call at a time, and a channel's making waits in a call until its ps makes
+        # its end (a ps that ended the job never does), while the books must still answer
+        self._rendezvous = raw = connect_store(resolver, False, timeout, stop)
+        name = coordinator.name
         # one thread per ps for every exchange with it, its channel's making included
         self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]
         tickets = [self._callers[k].submit(
@@ -80,8 +85,9 @@ class ParameterServerClient:
         self._channels = []
         for k, ticket in enumerate(tickets):
             try:
-                self._channels.append(self._callers[k].wait(ticket, timeout + 5,
-                                                            f"ps:{k}'s channel", stop))
+                # a ps that ended the job no longer makes channels: hear it from the store
+                self._channels.append(self._callers[k].wait(
+                    ticket, timeout + 5, f"ps:{k}'s channel", stop, coordinator.ended_why))
             except ParameterServerError:
                 raise
             except RuntimeError as exc:  # gloo's, as the job ends: never raw

@@ -128,9 +128,15 @@ class JobCoordinator:
     def join_servers(self) -> None:
         """Wait until every ps serves, then ask each for a channel (named :attr:`name`)."""
         deadline = time.monotonic() + self.timeout
+
+        def ready(k: int) -> bool:  # a task that starts after the chief (or a ps) ended
+            ended = read_abort(self.store, self._heard)  # the job ends with its reason,
+            if ended is not None:  # instead of asking for channels the ps no longer make
+                raise JobAborted(ended)
+            return self._set(keys.ps_ready(k))
         for k in range(self.num_ps):
-            if not poll_until(lambda k=k: self._set(keys.ps_ready(k)), deadline,
-                              stop=self.stop, waiting_for=f"ps:{k}"):
+            if not poll_until(lambda k=k: ready(k), deadline, stop=self.stop,
+                              waiting_for=f"ps:{k}"):
                 raise ParameterServerError(f"ps:{k} did not come up within "
                                            f"{self.timeout:g} s (strategy.timeout_s)")
         for k in range(self.num_ps):

@@ -100,6 +100,7 @@ class Stopped(Exception):
 
 
 _SLICE = 0.1  # how long the caller waits at a time: a signal is heard within it
+_ENDED_EVERY = 0.5  # how often a long wait asks the store whether the job was ended
 _running = [0]  # calls in torch's C++ now, on every Caller's thread
 _running_lock = threading.Lock()
 
@@ -173,16 +174,27 @@ class Caller:
         return box, done
 
     def wait(self, ticket: tuple[dict, threading.Event], timeout: float, what: str,
-             stop: threading.Event | None = None) -> Any:
+             stop: threading.Event | None = None,
+             ended: Callable[[], str | None] | None = None) -> Any:
         """The result of a :meth:`submit` ted call (its exception raised here), within
-        ``timeout`` seconds or until ``stop`` is set."""
+        ``timeout`` seconds or until ``stop`` is set. ``ended``: asked every
+        :data:`_ENDED_EVERY` seconds whether the job was ended meanwhile (its reason
+        raised as :class:`JobAborted`): a peer that stopped after the failure never
+        answers, and the task must not outwait the store that holds the reason."""
         box, done = ticket
         deadline = time.monotonic() + timeout
+        asked = time.monotonic()
         while not done.wait(_SLICE):
             if stop is not None and stop.is_set():
                 self._stuck = ParameterServerError(f"{what} is still busy with a call "
                                                    "given up on")
                 raise Stopped(what)
+            if ended is not None and time.monotonic() - asked >= _ENDED_EVERY:
+                asked, reason = time.monotonic(), ended()
+                if reason is not None:
+                    self._stuck = ParameterServerError(f"{what} is still busy with a call "
+                                                       "given up on")
+                    raise JobAborted(reason)
             if time.monotonic() > deadline:
                 self._stuck = ParameterServerError(
                     f"{what} did not answer within {timeout:g} s (strategy.timeout_s); is "

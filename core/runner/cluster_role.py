@@ -37,8 +37,9 @@ from ..config.problems import ConfigError, Problem
 from .events import Notice, RunResult
 from ..cluster.client import HandlerError
 from ..cluster.heartbeat import ChiefGone, intact
-from ..cluster.transport import (ClusterMismatch, JobAborted, ParameterServerError, Stopped,
-                                 StoppedAnswering, bounded, transport_error)
+from ..cluster.transport import (ClusterMismatch, DuplicateTask, JobAborted,
+                                 ParameterServerError, Stopped, StoppedAnswering, bounded,
+                                 transport_error)
 from ..cluster.embedding_lookup import ServedModel
 from ..cluster.parameter_server_strategy import ParameterServerStrategy
 from ..cluster.shard_index import FORMAT as SHARDS_FORMAT, CheckpointIndexError
@@ -160,8 +161,8 @@ def _one_line(exc: BaseException, role: "ClusterRole", session) -> RunError | No
     (the first failure's), nothing of this worker's own. None: not the cluster's."""
     if isinstance(exc, StoppedAnswering):
         return RunError(exc.line(role.checkpoint_note(session)))
-    if isinstance(exc, (JobAborted, HandlerError)):
-        return RunError(str(exc))
+    if isinstance(exc, (JobAborted, HandlerError, DuplicateTask)):  # no checkpoint of
+        return RunError(str(exc))  # this task's own is at stake: the reason alone
     if isinstance(exc, ParameterServerError) and not isinstance(exc, ClusterMismatch):
         return RunError(f"{exc}; {role.checkpoint_note(session)}")
     return None

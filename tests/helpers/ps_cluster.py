@@ -11,12 +11,13 @@ from csrun.core.runner.launch import free_ports
 
 
 class Cluster:
-    """``ps`` ps tasks serving in threads (``servers``), and one worker's ``strategy``."""
+    """``ps`` ps tasks serving in threads (``servers``), and worker:0's ``strategy`` (the
+    chief) of a job of ``workers`` workers (the others are the test's to start)."""
 
-    def __init__(self, ps: int, **kwargs):
-        ports = free_ports(ps + 1)
-        self.spec = {"worker": [f"127.0.0.1:{ports[0]}"],
-                     "ps": [f"127.0.0.1:{p}" for p in ports[1:]]}
+    def __init__(self, ps: int, workers: int = 1, **kwargs):
+        ports = free_ports(ps + workers)
+        self.spec = {"worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
+                     "ps": [f"127.0.0.1:{p}" for p in ports[workers:]]}
         self.servers, self.threads = [None] * ps, []
         ready = [threading.Event() for _ in range(ps)]
         for k in range(ps):

@@ -193,9 +193,6 @@ def test_a_killed_ps0_is_named_by_every_task_with_the_intact_checkpoint(jobs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=False, reason="a race, about 1 run in 3: worker:1 can find ps:0 and "
-                   "its store gone before it reads the chief's reason, and says 'ps:0 stopped "
-                   "answering' (open: ps:0 must outlive every task's read)")
 def test_a_chief_failing_on_an_out_of_range_id_is_named_by_every_task(jobs):
     job = jobs(env={"BAD_ID_ON": "worker:0"})
     code, result = job.finish()
@@ -210,6 +207,36 @@ def test_a_chief_failing_on_an_out_of_range_id_is_named_by_every_task(jobs):
             f"{task}: {line}"
         assert "index out of range" in line, f"{task}: {line}"
         assert codes(result)[task] == 1
+
+
+LATE = """\
+import json, os, pathlib, time
+
+# worker:1 starts once the chief has failed and ended the job (this folder is first on
+# PYTHONPATH: Python imports this module before anything else)
+if json.loads(os.environ.get("TF_CONFIG", "{}")).get("task") == {"type": "worker", "index": 1}:
+    deadline = time.monotonic() + 150
+    while not pathlib.Path("logs/worker-0.result.json").exists() and \\
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_starting_after_the_chief_failed_ends_with_the_chiefs_reason(jobs, tmp_path):
+    """The race behind the test above, made certain: a worker that joins after the ps
+    tasks stopped making channels hears why from the store, not "ps:0 stopped answering"."""
+    folder = tmp_path / "late"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(LATE)
+    job = jobs(folder=folder, env={"BAD_ID_ON": "worker:0", "PYTHONPATH": str(folder)})
+    code, result = job.finish()
+    assert code == 1 and result["failed_task"] == "worker:0", job.output()
+    assert_clean(job)
+    line = job.last_line("worker:1")
+    assert line.startswith("error: the chief ended the job: worker:0 failed: "), line
+    assert "index out of range" in line and codes(result)["worker:1"] == 1, line
+    assert job.log("worker:1", "stdout") == "", "worker:1 trained"
 
 
 def _completed(jobs, folder: Path, steps: int = 20) -> Job:

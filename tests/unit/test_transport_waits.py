@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from csrun.core.cluster.transport import (ParameterServerError, bounded, calls_running,
-                                          unreachable)
+from csrun.core.cluster.transport import (Caller, JobAborted, ParameterServerError, bounded,
+                                          calls_running, unreachable)
 from csrun.core.runner.launch import free_ports
 
 
@@ -28,6 +28,27 @@ def test_a_call_given_up_on_counts_as_running_until_it_returns():
     while calls_running() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert calls_running() == before
+
+
+def test_a_wait_that_hears_the_job_ended_raises_its_reason_and_gives_the_call_up():
+    """A channel whose ps stopped after the job's failure is never made: the wait asks
+    whether the job ended, now and then, and ends with the reason."""
+    caller, release, asked = Caller("a test caller"), threading.Event(), []
+
+    def ended():
+        asked.append(True)
+        return "the chief ended the job: worker:0 failed" if len(asked) == 2 else None
+    with pytest.raises(JobAborted, match="^the chief ended the job: worker:0 failed$"):
+        caller.wait(caller.submit(release.wait), 60, "ps:0's channel", ended=ended)
+    assert len(asked) == 2
+    with pytest.raises(ParameterServerError, match="still busy with a call given up on"):
+        caller.submit(lambda: None)  # the thread is still in the call given up on
+    release.set()
+
+
+def test_a_wait_whose_call_answers_never_asks_whether_the_job_ended():
+    caller = Caller("a test caller")
+    assert caller.wait(caller.submit(lambda: 7), 60, "a call", ended=pytest.fail) == 7
 
 
 @contextlib.contextmanager
