@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import csrun.core as cs
 from csrun.core.distribute import parameters
+from tests.helpers.call_count import calls
 from tests.helpers.op_count import OpCount, model_tensors
 
 BATCH = 12
@@ -457,3 +459,42 @@ def test_replicas_that_start_drawing_get_their_streams_back(execution):
             strategy.run(lambda v: F.dropout(v, 0.5), args=(x,))
         armed.append(strategy.extended._policy._armed)
     assert armed == ([False, True, True] if execution == "ordered" else [True, True, True])
+
+
+# -- the engine's own work in an empty step (issue 36: its cost is Python bookkeeping) ----
+def _empty_step(replicas: int = 2):
+    """benchmarks/throughput.py's empty step (run + reduce of an identity function),
+    warmed up until the policy is steady."""
+    strategy = cs.CentralStorageStrategy([f"CPU:{i}" for i in range(replicas)], "CPU:0")
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
+
+    def step():
+        return strategy.reduce("SUM", strategy.run(lambda x: x, args=(value,)))
+    for _ in range(WARM_STEPS + 2):
+        step()
+    return strategy, step
+
+
+def test_reducing_cpu_losses_checks_and_adds_in_one_pass():
+    """A PerReplica of plain CPU tensors reduced onto the CPU: one function checks and
+    adds them (no per-value conversion, no destination search); anything else takes the
+    general path, with its checks and messages."""
+    strategy, _ = _empty_step()
+    losses = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor([1.0, 2.0]) * (ctx.replica_id_in_sync_group + 1))
+    work = calls(functools.partial(strategy.reduce, "SUM", losses))
+    assert work["reduce_values"] == work["destination"] == work["as_tensor"] == 0
+    assert sum(work.values()) <= 6, work
+    assert torch.equal(strategy.reduce("SUM", losses), torch.tensor([3.0, 6.0]))
+    assert torch.equal(strategy.reduce("MEAN", losses), torch.tensor([1.5, 3.0]))
+    ints = strategy.experimental_distribute_values_from_function(lambda ctx: torch.tensor(3))
+    assert strategy.reduce("MEAN", ints).dtype == torch.float64  # TF's integer MEAN
+    bools = strategy.experimental_distribute_values_from_function(lambda ctx: torch.tensor(True))
+    with pytest.raises(TypeError, match="cannot reduce booleans"):
+        strategy.reduce("SUM", bools)
+    shapes = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.ones(ctx.replica_id_in_sync_group + 1))
+    with pytest.raises(ValueError, match="shapes differ"):
+        strategy.reduce("SUM", shapes)
+
