@@ -476,6 +476,29 @@ def _empty_step(replicas: int = 2):
     return strategy, step
 
 
+def test_a_run_that_reads_no_parameters_serves_and_hands_over_nothing():
+    """Nothing read, nothing written: the run's parameter views are the last run's
+    (untouched), none is served ahead, no output is walked for a later hand-over. A run
+    that reads gets fresh views, and its gradient is handed over as before."""
+    strategy, step = _empty_step()
+    work = calls(step)
+    assert work["ReplicaServing.__init__"] == 0
+    assert work["ParameterStore._serve_again"] == work["_graph_tensors"] == 0
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1, bias=False)
+    x = torch.ones(4, 2)
+
+    def reading():
+        strategy.run(lambda v: layer(v).sum().backward(), args=(x,))
+    assert calls(reading)["ReplicaServing.__init__"] == 0  # the untouched ones, now read
+    assert torch.equal(layer.weight.grad, torch.full((1, 2), 8.0))  # x, whole, on both
+    layer.weight.grad = None
+    work = calls(reading)  # the last run's views were read: made anew, served ahead
+    assert work["ReplicaServing.__init__"] == 2 and work["ParameterStore._serve_again"] == 1
+    assert torch.equal(layer.weight.grad, torch.full((1, 2), 8.0))
+    assert calls(step)["ReplicaServing.__init__"] == 2  # the reading run's are not reused
+
+
 def test_reducing_cpu_losses_checks_and_adds_in_one_pass():
     """A PerReplica of plain CPU tensors reduced onto the CPU: one function checks and
     adds them (no per-value conversion, no destination search); anything else takes the
