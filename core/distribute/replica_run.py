@@ -545,6 +545,7 @@ class ExecutionPolicy:
         self._trial = True   # the next finished run decides whether they draw
         self._last_state = None  # the global generator's state as the last run ended
         self._quiet = 0  # watched runs in a row that nothing drew before (_since_last)
+        self._steady = False  # set by after_run: see there
         if len(self._cpu) > 1:
             self._seed = RunSeed()
             self._random = [ReplicaRandom(i, self._seed) if i in self._cpu else None
@@ -606,6 +607,9 @@ class ExecutionPolicy:
         """What the next run needs, in one call (every run asks): each replica's
         intra-op threads, random streams and OpenMP team, and :meth:`before_run`'s
         snapshot for :meth:`after_run`."""
+        if self._steady:  # what the calls below give in that state, without them
+            self._seed.reset()
+            return self.threads(), None, None, _SINCE_LAST
         random = self.random()  # before before_run: it resets the run's seed
         team = self.team() if self.state == "concurrent" else None
         return self.threads(), random, team, self.before_run()
@@ -632,8 +636,23 @@ class ExecutionPolicy:
         return global_state()
 
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
+        self._judge(snapshot, durations)
+        # Streams off, in order, and nothing drew between the last runs: start() and
+        # the read above are all a run asks of the policy (an empty step's largest part)
+        self._steady = (self._random is not None and not self._armed
+                        and self.state == "ordered" and self._last_state is not None
+                        and self._quiet >= self.QUIET_RUNS)
+
+    def _judge(self, snapshot: bytes | None, durations: list) -> None:
         # one read of the global state serves both checks (~5 µs each on an empty run)
         now = global_state() if snapshot is not None else None
+        if snapshot is _SINCE_LAST and now == self._last_state:
+            # steady and unmoved: what the calls below conclude, without them (the
+            # streams stay off, the quiet runs go on, nothing drew)
+            self._last_state = now
+            if self._shared_cpu and not self._draws and durations:
+                self._weigh(durations, watched=True)
+            return
         snapshot = self._since_last(snapshot, now)
         self._last_state = now
         if self._random is not None and self._settle_streams(snapshot, now):
@@ -645,6 +664,11 @@ class ExecutionPolicy:
             return
         if self._draws or not durations:
             return
+        self._weigh(durations, snapshot is not None)
+
+    def _weigh(self, durations: list, watched: bool) -> None:
+        """Ordered or concurrent from the replicas' work (``watched``: the global
+        generator was read around this run, and nothing but the seed moved it)."""
         work = sum(durations) / len(durations)
         last, self._last = self._last, work
         if last is None:
@@ -652,7 +676,7 @@ class ExecutionPolicy:
         work = min(work, last)  # noise only adds: work that grew shows in two runs
         self._work = work if self._work is None else 0.8 * self._work + 0.2 * work
         if self._work >= self.CONCURRENT_FROM:
-            if snapshot is not None:  # watched, and the replicas drew nothing
+            if watched:  # and the replicas drew nothing
                 self.state = "concurrent"
         elif self._work < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"

@@ -521,3 +521,24 @@ def test_reducing_cpu_losses_checks_and_adds_in_one_pass():
     with pytest.raises(ValueError, match="shapes differ"):
         strategy.reduce("SUM", shapes)
 
+
+def test_a_steady_run_asks_the_policy_only_what_it_needs(monkeypatch):
+    """Streams off, replicas in order, nothing drawing: the policy answers start() from
+    its steady state and after_run() from one read of the generator (issue 36: the watch
+    was ~10 µs of an empty step). Draws still bring the streams back."""
+    strategy, step = _empty_step()
+    work = calls(step)
+    policy = {k: n for k, n in work.items() if k.startswith(("ExecutionPolicy.", "RunSeed."))}
+    assert not {"ExecutionPolicy.random", "ExecutionPolicy.before_run", "RunSeed.moved",
+                "ExecutionPolicy._since_last", "ExecutionPolicy._settle_streams"} & set(policy)
+    assert sum(policy.values()) <= 7, policy
+    reads = _reads(monkeypatch)
+    step()
+    assert len(reads) == 1
+    x = torch.ones(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(2):
+            strategy.run(lambda v: F.dropout(v, 0.5), args=(x,))
+    assert strategy.extended._policy._armed
+    assert "ExecutionPolicy.random" in calls(step)  # not steady while armed
