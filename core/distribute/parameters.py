@@ -59,7 +59,7 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -402,7 +402,8 @@ class ParameterStore:
         self.compiled_leaves: list[dict] = [{} for _ in self.compute_devices]
         # ids of the central tensors each alias replica read in the last run: served
         # again before the next run's replicas start (:meth:`_serve_again`)
-        self._last_read: list = [() for _ in self.compute_devices]
+        self._last_read: Sequence = [() for _ in self.compute_devices]
+        self._read_nothing = tuple(self._last_read)  # a run's that read nothing
         # the last run's servings when it served its replicas nothing and they wrote
         # nothing: as good as new, so the next run takes them (finish_run / begin_run)
         self._spare: list | None = None
@@ -732,6 +733,24 @@ class ParameterStore:
         """Sum the replicas' gradients into the central ones; combine written buffers.
         ``reads=False``: a run that only backpropagated, whose reads (none) are not the
         next run's to serve ahead."""
+        # untouched: nothing served or written, so nothing to check, combine or serve
+        # ahead (and the servings are as good as new for the next run)
+        untouched = all([s.untouched() for s in servings])
+        if not untouched:
+            self._check_and_combine(servings, reads)
+        elif reads:
+            self._last_read = self._read_nothing
+        self._running = False
+        if not self.direct:
+            self._run_ended = True  # this flush may leave gradients arriving (offload.py)
+            try:
+                self.flush_pending()
+            finally:
+                self._run_ended = False
+        if untouched:
+            self._spare = servings
+
+    def _check_and_combine(self, servings: list["ReplicaServing"], reads: bool) -> None:
         for serving in servings:
             if serving.overrides:
                 serving.check_no_override()
@@ -743,15 +762,6 @@ class ParameterStore:
             if serving.combine:
                 self._aggregate_buffers(servings)
                 break
-        self._running = False
-        if not self.direct:
-            self._run_ended = True  # this flush may leave gradients arriving (offload.py)
-            try:
-                self.flush_pending()
-            finally:
-                self._run_ended = False
-        if all([s.untouched() for s in servings]):
-            self._spare = servings
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
