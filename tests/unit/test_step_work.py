@@ -476,6 +476,16 @@ def _empty_step(replicas: int = 2):
     return strategy, step
 
 
+def test_an_empty_step_enters_a_bounded_number_of_functions():
+    """The whole empty 2-replica step (issue 36's engine cost) as a count of the Python
+    functions it enters: 67 before issue 36's third round, 53 after it; a change that
+    adds to every run shows here, on any machine, before the benchmark sees it."""
+    _, step = _empty_step()
+    work = calls(step)
+    assert sum(work.values()) <= 53, work
+    assert work["generator_state_bytes"] == 1  # the watch: one read a run
+
+
 def test_a_run_that_reads_no_parameters_serves_and_hands_over_nothing():
     """Nothing read, nothing written: the run's parameter views are the last run's
     (untouched), none is served ahead, no output is walked for a later hand-over. A run
