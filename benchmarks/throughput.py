@@ -8,6 +8,7 @@ variant and the median over rounds of the paired ratio csrun / plain of the same
     python benchmarks/throughput.py                 # full run, table + JSON + PNG
     python benchmarks/throughput.py --quick         # a smoke run (CI uses it)
     python benchmarks/throughput.py --reference     # also hand-written threaded loops
+    python benchmarks/throughput.py --only engine   # the engine's cost alone (issue 36)
 
 Also measured: the engine's own cost per step (an empty replica function through ``run``
 and ``reduce``), the input path (a distributed dataset against a plain DataLoader over the
@@ -312,6 +313,8 @@ def plain_after_csrun(pairs: int, steps: int) -> dict:
 
 
 def measure(args) -> dict:
+    if args.only == "engine":
+        return measure_engine(args)
     result: dict = {"python": platform.python_version(), "torch": torch.__version__,
                     "cpu_threads": torch.get_num_threads(), "rounds": args.rounds,
                     "environment": {k: os.environ[k] for k in RUNTIME_VARIABLES
@@ -327,13 +330,7 @@ def measure(args) -> dict:
                 variants[f"hand_R{r}"] = hand_threads_loop(name, data, r)
         examples = args.steps * MODELS[name]["batch"]
         result["models"][name] = interleaved(variants, examples, args.rounds)
-    # issue 36's measure: best of 7 rounds of 1,000 empty steps (the best round is what the
-    # code costs when the machine is at full speed; the median what a run sees)
-    overhead = {f"R{r}": engine_overhead(r, args.overhead_steps, args.overhead_rounds)
-                for r in args.replicas}
-    result["engine_overhead_us"] = {k: statistics.median(v) for k, v in overhead.items()}
-    result["engine_overhead_best_us"] = {k: min(v) for k, v in overhead.items()}
-    result["engine_overhead_rounds_us"] = overhead
+    result.update(engine_figures(args))
     result["input_path_R2"] = input_path(2, args.rounds)
     if args.plain_check:
         result["plain_after_csrun"] = plain_after_csrun(args.plain_check, args.steps)
@@ -343,7 +340,42 @@ def measure(args) -> dict:
     return result
 
 
+def engine_figures(args) -> dict:
+    """Issue 36's measure: best of 7 rounds of 1,000 empty steps (the best round is what
+    the code costs when the machine is at full speed; the median what a run sees)."""
+    overhead = {f"R{r}": engine_overhead(r, args.overhead_steps, args.overhead_rounds)
+                for r in args.replicas}
+    return {"engine_overhead_us": {k: statistics.median(v) for k, v in overhead.items()},
+            "engine_overhead_best_us": {k: min(v) for k, v in overhead.items()},
+            "engine_overhead_rounds_us": overhead}
+
+
+def measure_engine(args) -> dict:
+    """``--only engine``: the engine's cost per empty step, nothing else."""
+    result = {"python": platform.python_version(), "torch": torch.__version__,
+              "cpu_threads": torch.get_num_threads(), "only": "engine", "models": {},
+              "environment": {k: os.environ[k] for k in RUNTIME_VARIABLES
+                              if k in os.environ}}
+    result.update(engine_figures(args))
+    result["targets"] = judge(result)
+    return result
+
+
+def report_engine(result: dict) -> str:
+    best = result["engine_overhead_best_us"]
+    lines = [f"torch {result['torch']}, {result['cpu_threads']} CPU threads",
+             "engine overhead per step (empty fn, run + reduce), median (best round): "
+             + ", ".join(f"{k} {v:.1f} ({best[k]:.1f}) µs"
+                         for k, v in result["engine_overhead_us"].items())]
+    if result["environment"]:
+        lines.append(f"NOTE: measured with {result['environment']} set; a user sets none "
+                     "(--clean-env)")
+    return "\n".join(lines + [_target_line(t) for t in result["targets"]])
+
+
 def report(result: dict) -> str:
+    if result.get("only") == "engine":
+        return report_engine(result)
     lines = [f"torch {result['torch']}, {result['cpu_threads']} CPU threads, "
              f"{result['rounds']} interleaved rounds of {result['steps_per_round']} steps",
              f"{'model':10s} {'variant':12s} {'examples/s':>12s} {'csrun/plain':>12s} "
@@ -429,7 +461,14 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="training steps per round")
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4])
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
+    parser.add_argument("--only", choices=["all", "engine"], default="all",
+                        help="engine: measure only the engine's cost per empty step "
+                             "(run + reduce of an identity function, --overhead-rounds "
+                             "rounds of --overhead-steps steps for each of --replicas); its "
+                             "JSON goes to benchmarks/engine_overhead.json unless --json "
+                             "is given, and it draws no chart")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="where the JSON result goes (default benchmarks/results.json)")
     parser.add_argument("--plot", type=Path, default=Path("docs/performance.png"))
     parser.add_argument("--overhead-rounds", type=int, default=7,
                         help="rounds of the engine's cost per empty step")
@@ -457,11 +496,14 @@ def main(argv=None) -> int:
     if args.quick:
         args.rounds, args.steps = 2, 2
         args.overhead_rounds, args.overhead_steps = 2, 200
+    if args.json is None:
+        args.json = Path("benchmarks/engine_overhead.json" if args.only == "engine"
+                         else "benchmarks/results.json")
     result = measure(args)
     print(report(result))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    if plot(result, args.plot):
+    if args.only == "all" and plot(result, args.plot):
         print(f"chart: {args.plot}")
     return 0
 

@@ -59,7 +59,7 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -379,6 +379,9 @@ class ParameterStore:
         # deleted model does not live on in its replicas' aliases (:meth:`forget`).
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
+        # whether an alias or a mirror was ever made: until then a run has no replica
+        # leaf to hand a gradient over from (asked three times a run: one attribute)
+        self._leaves = False
         self._buffer_mirrors: list = [None] * len(self.compute_devices)
         # the last run's written buffers, on their way from GPUs (land_buffers)
         self._landing: _BufferLanding | None = None
@@ -399,7 +402,11 @@ class ParameterStore:
         self.compiled_leaves: list[dict] = [{} for _ in self.compute_devices]
         # ids of the central tensors each alias replica read in the last run: served
         # again before the next run's replicas start (:meth:`_serve_again`)
-        self._last_read: list = [() for _ in self.compute_devices]
+        self._last_read: Sequence = [() for _ in self.compute_devices]
+        self._read_nothing = tuple(self._last_read)  # a run's that read nothing
+        # the last run's servings when it served its replicas nothing and they wrote
+        # nothing: as good as new, so the next run takes them (finish_run / begin_run)
+        self._spare: list | None = None
         # the modules whose dicts this store swapped (weakly: a deleted model is freed)
         self._adopted: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         # ids of the tracked tensors that carry gradient hooks (see note_hooks)
@@ -667,12 +674,14 @@ class ParameterStore:
         if not direct:
             self.flush_pending()
         self._running = True
-        servings = [ReplicaServing(self, r) for r in self._replica_ids]
+        servings, self._spare = self._spare, None
+        if servings is None:
+            servings = [ReplicaServing(self, r) for r in self._replica_ids]
         if not reads:
             return servings
         if any(self.compiled_leaves):
             self._serve_compiled(servings)
-        elif not direct:
+        elif not direct and (self._fresh or any(self._last_read)):  # else nothing to serve
             self._serve_again(servings)
         return servings
 
@@ -724,6 +733,24 @@ class ParameterStore:
         """Sum the replicas' gradients into the central ones; combine written buffers.
         ``reads=False``: a run that only backpropagated, whose reads (none) are not the
         next run's to serve ahead."""
+        # untouched: nothing served or written, so nothing to check, combine or serve
+        # ahead (and the servings are as good as new for the next run)
+        untouched = all([s.untouched() for s in servings])
+        if not untouched:
+            self._check_and_combine(servings, reads)
+        elif reads:
+            self._last_read = self._read_nothing
+        self._running = False
+        if not self.direct:
+            self._run_ended = True  # this flush may leave gradients arriving (offload.py)
+            try:
+                self.flush_pending()
+            finally:
+                self._run_ended = False
+        if untouched:
+            self._spare = servings
+
+    def _check_and_combine(self, servings: list["ReplicaServing"], reads: bool) -> None:
         for serving in servings:
             if serving.overrides:
                 serving.check_no_override()
@@ -735,23 +762,17 @@ class ParameterStore:
             if serving.combine:
                 self._aggregate_buffers(servings)
                 break
-        self._running = False
-        if not self.direct:
-            self._run_ended = True  # this flush may leave gradients arriving (offload.py)
-            try:
-                self.flush_pending()
-            finally:
-                self._run_ended = False
 
     def watch_outputs(self, outputs: list) -> None:
         """A backward through these outputs of a run may come after it: have the end of
         that backward collect the leaves' gradients. One pre-hook per output's grad_fn;
         an output that is itself a leaf (a returned parameter) gets a post-accumulate
         hook instead, which stays on it (and takes the GIL in later runs' backwards)."""
-        if self.direct:
-            return
-        # the usual outputs, detached losses (tensors that need no grad): nothing to walk
-        if all([type(o) is torch.Tensor and not o.requires_grad for o in outputs]):
+        # No replica leaf exists (nothing served yet): no graph of these outputs can
+        # reach one. The usual outputs, detached losses (tensors that need no grad): no
+        # graph to walk.
+        if self.direct or not self._leaves or all(
+                [type(o) is torch.Tensor and not o.requires_grad for o in outputs]):
             return
         hook = self._late_hook
         for tensor in _graph_tensors(outputs, set()):
@@ -782,7 +803,7 @@ class ParameterStore:
         At a run's end, gradients still on their way from GPUs may stay so, in ``.grad``
         as :class:`.offload.ArrivingGrad` (see :meth:`_may_arrive_later`).
         """
-        if not (any(self._aliases) or any(self._mirrors)):  # no leaves (yet), or direct
+        if not self._leaves:  # no leaves (yet), or direct
             return
         # locked: a backward's callback may flush on an autograd thread, and two flushes
         # taking the same leaf gradient would add it twice
@@ -929,6 +950,7 @@ class ParameterStore:
                 return leaf
         leaf = central.detach().requires_grad_(central.requires_grad)
         cache[id(central)] = (weakref.ref(central), leaf)
+        self._leaves = True
         self._follow(central)
         return leaf
 
@@ -946,6 +968,7 @@ class ParameterStore:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device,
                                   self._torch_param, self.bytes_per_pack)
             self._mirrors[replica_id] = mirror
+            self._leaves = True
         return mirror
 
     def forget(self, key: int) -> None:
@@ -1021,6 +1044,14 @@ class ReplicaServing:
                 self._refresh_copies()
             return served[1]
         return self._buffer(owner, name, value)
+
+    def untouched(self) -> bool:
+        """Whether this serving is still as :meth:`__init__` made it: its run served the
+        replica nothing and the replica wrote nothing (a run that reads no parameters
+        builds none: :meth:`ParameterStore.begin_run` takes it again)."""
+        return not (self.params or self.ready or self.buffers or self.overrides
+                    or self.combine or self.slow or self._stale or self._force
+                    or self._mirror is not None or self._buffers_mirror is not None)
 
     def served(self, key: int) -> tuple | None:
         """``(central, leaf)`` for the tracked tensor ``id`` ``key`` if this run has

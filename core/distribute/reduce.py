@@ -26,11 +26,12 @@ import torch
 
 from . import torch_internals
 
-__all__ = ["ReduceOp", "reduce_values", "gather_values", "as_tensor", "current_device",
-           "destination"]
+__all__ = ["ReduceOp", "reduce_values", "reduce_on_cpu", "gather_values", "as_tensor",
+           "current_device", "destination"]
 
 _CPU = torch.device("cpu")
 _BOOL = torch.bool
+_Tensor = torch.Tensor
 _function_mode_depth = torch_internals.function_mode_depth  # bound: asked on every reduce
 
 
@@ -166,6 +167,29 @@ def _sum_elementwise(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     raise ValueError(
         f"cannot reduce across replicas with axis=None: the shapes differ ({listed}); "
         "pass axis=0 to reduce along the batch dimension as well")
+
+
+def reduce_on_cpu(op: ReduceOp, values: Sequence[Any],
+                  device: torch.device) -> torch.Tensor | None:
+    """``reduce_values(op, values, None, device)`` for the usual step's loss reduced onto
+    the CPU (``device`` as :func:`current_device` gives it): plain CPU tensors of one
+    shape, none boolean, added in replica order (the same adds). One pass of checks, no
+    per-value conversions: an empty step's reduce was mostly those. None for anything
+    else, which :func:`reduce_values` handles (with its messages)."""
+    first = values[0]
+    if device is not _CPU or type(first) is not _Tensor or not first.is_cpu \
+            or first.dtype is _BOOL:
+        return None
+    shape = first.shape
+    for t in values:
+        if type(t) is not _Tensor or not t.is_cpu or t.shape != shape or t.dtype is _BOOL:
+            return None
+    total = first
+    for t in values[1:]:
+        total = total + t
+    if op is ReduceOp.MEAN:
+        return total.to(_mean_dtype(total.dtype)) / len(values)
+    return total
 
 
 def reduce_values(op: ReduceOp, values: Sequence[Any], axis: int | None,

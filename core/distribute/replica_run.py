@@ -44,6 +44,7 @@ _FINAL = frozenset({"done", "failed", "aborted", "skipped"})
 _any_autocast_enabled = torch_internals.any_autocast_enabled
 _InferenceMode = torch_internals.InferenceMode
 _set_grad_enabled = torch_internals.set_grad_enabled
+_get_num_threads = torch.get_num_threads
 # what a replica's body is timed by, for ExecutionPolicy (tests give replicas exact work)
 _clock = time.perf_counter
 
@@ -232,7 +233,7 @@ class ReplicaRun:
         error (with the replica id and device noted on it by the caller's body)."""
         # Replicas on this thread set its intra-op threads only where they differ, and the
         # caller's count comes back once at the end (not after each replica).
-        caller_threads = torch.get_num_threads() if self.threads else None
+        caller_threads = _get_num_threads() if self.threads else None
         try:
             if self.team is not None:
                 self._run_as_team(caller_threads)
@@ -240,15 +241,16 @@ class ReplicaRun:
                 self._start_workers(range(1, self.num_replicas))
                 self._run_replica(0, caller_threads, False)
             else:
+                run_replica = self._run_replica
                 for replica_id in range(self.num_replicas):
                     if self.threaded or self.error is not None:
                         break
-                    self._run_replica(replica_id, caller_threads, False)
+                    run_replica(replica_id, caller_threads, False)
         finally:
             # Inside the team's region replica 0 set this thread's own MKL count and torch's
             # process-wide one, though the region's end hides that from get_num_threads.
             if caller_threads is not None and (self.team is not None
-                                               or torch.get_num_threads() != caller_threads):
+                                               or _get_num_threads() != caller_threads):
                 torch.set_num_threads(caller_threads)
         if self.threaded:
             self._wait_until_final()
@@ -318,15 +320,14 @@ class ReplicaRun:
             self._set_final(replica_id, "skipped")
             return
         self.status[replica_id] = "running"
-        if self.threads:
-            threads = self.threads[replica_id] or caller_threads
-            if threads and torch.get_num_threads() != threads:
+        body, threads, random = self.body, self.threads, self.random
+        if threads:
+            threads = threads[replica_id] or caller_threads
+            if threads and _get_num_threads() != threads:
                 torch.set_num_threads(threads)
+        if random is not None and random[replica_id] is not None:
+            body = _with_mode(random[replica_id], body)
         begin = _clock()
-        body = self.body
-        random = self.random[replica_id] if self.random is not None else None
-        if random is not None:
-            body = _with_mode(random, body)
         try:
             if on_worker:
                 output = self.thread_state.apply(lambda: body(self, replica_id))
@@ -339,7 +340,10 @@ class ReplicaRun:
             self._fail(replica_id, exc)
         else:
             self.results[replica_id] = output
-            self._set_final(replica_id, "done")
+            if self.threaded:
+                self._set_final(replica_id, "done")
+            else:  # inline: nobody else to tell (what _set_final does then)
+                self.status[replica_id] = "done"
 
     def _set_final(self, replica_id: int, status: str) -> None:
         if not self.threaded:  # inline: nobody else to tell
@@ -545,6 +549,7 @@ class ExecutionPolicy:
         self._trial = True   # the next finished run decides whether they draw
         self._last_state = None  # the global generator's state as the last run ended
         self._quiet = 0  # watched runs in a row that nothing drew before (_since_last)
+        self._steady = False  # set by after_run: see there
         if len(self._cpu) > 1:
             self._seed = RunSeed()
             self._random = [ReplicaRandom(i, self._seed) if i in self._cpu else None
@@ -606,6 +611,9 @@ class ExecutionPolicy:
         """What the next run needs, in one call (every run asks): each replica's
         intra-op threads, random streams and OpenMP team, and :meth:`before_run`'s
         snapshot for :meth:`after_run`."""
+        if self._steady:  # what the calls below give in that state, without them
+            self._seed.reset()
+            return self.threads(), None, None, _SINCE_LAST
         random = self.random()  # before before_run: it resets the run's seed
         team = self.team() if self.state == "concurrent" else None
         return self.threads(), random, team, self.before_run()
@@ -634,6 +642,22 @@ class ExecutionPolicy:
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
         # one read of the global state serves both checks (~5 µs each on an empty run)
         now = global_state() if snapshot is not None else None
+        if snapshot is _SINCE_LAST and now == self._last_state:
+            # steady and unmoved: what _judge concludes, without its calls (the streams
+            # stay off, the quiet runs go on, nothing drew); only the work may move
+            self._last_state = now
+            if self._shared_cpu and not self._draws and durations:
+                self._weigh(durations, watched=True)
+                self._steady = self.state == "ordered"
+            return
+        self._judge(snapshot, now, durations)
+        # Streams off, in order, and nothing drew between the last runs: start() and
+        # the read above are all a run asks of the policy (an empty step's largest part)
+        self._steady = (self._random is not None and not self._armed
+                        and self.state == "ordered" and self._last_state is not None
+                        and self._quiet >= self.QUIET_RUNS)
+
+    def _judge(self, snapshot: bytes | None, now: bytes | None, durations: list) -> None:
         snapshot = self._since_last(snapshot, now)
         self._last_state = now
         if self._random is not None and self._settle_streams(snapshot, now):
@@ -645,16 +669,23 @@ class ExecutionPolicy:
             return
         if self._draws or not durations:
             return
+        self._weigh(durations, snapshot is not None)
+
+    def _weigh(self, durations: list, watched: bool) -> None:
+        """Ordered or concurrent from the replicas' work (``watched``: the global
+        generator was read around this run, and nothing but the seed moved it)."""
         work = sum(durations) / len(durations)
         last, self._last = self._last, work
         if last is None:
             return  # the first run pays one-off costs; decide on later ones
-        work = min(work, last)  # noise only adds: work that grew shows in two runs
-        self._work = work if self._work is None else 0.8 * self._work + 0.2 * work
-        if self._work >= self.CONCURRENT_FROM:
-            if snapshot is not None:  # watched, and the replicas drew nothing
+        if last < work:  # noise only adds: work that grew shows in two runs
+            work = last
+        average = self._work
+        self._work = average = work if average is None else 0.8 * average + 0.2 * work
+        if average >= self.CONCURRENT_FROM:
+            if watched:  # and the replicas drew nothing
                 self.state = "concurrent"
-        elif self._work < self.ORDERED_BELOW or self.state == "probe":
+        elif average < self.ORDERED_BELOW or self.state == "probe":
             self.state = "ordered"
 
     def _since_last(self, snapshot, now: bytes | None):

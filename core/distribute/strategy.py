@@ -29,7 +29,7 @@ from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder,
 from .buckets import DEFAULT_BYTES_PER_PACK
 from .parameters import ParameterStore, eager_if_uncompilable, serve_while
 from .reduce import (ReduceOp, as_tensor, current_device, destination, gather_values,
-                     reduce_values)
+                     reduce_on_cpu, reduce_values)
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, flatten, local_results,
                      map_structure, regroup, unstack)
@@ -210,7 +210,11 @@ class Strategy:
         op = ReduceOp.resolve(reduce_op)
         device = current_device()
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
-            values = value.values
+            values = value._values
+            if axis is None:
+                total = reduce_on_cpu(op, values, device)
+                if total is not None:
+                    return total
             return reduce_values(op, values, axis, destination(values, device))
         return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
             if isinstance(value, (tuple, list, dict)) else \

@@ -233,10 +233,11 @@ def _regroup_leaf(values: Sequence[Any], collapse_identical: bool) -> Any:
     """One leaf position of :func:`regroup`: the shared object, or a PerReplica."""
     first = values[0]
     same = collapse_identical
-    for i, v in enumerate(values):
+    for v in values:
         if isinstance(v, (tuple, list, dict)):
-            raise _structure_error(i, first, v)
-        same = same and v is first
+            raise _structure_error([i for i, o in enumerate(values) if o is v][0], first, v)
+        if v is not first:
+            same = False
     return first if same else PerReplica(values)
 
 

@@ -15,4 +15,5 @@
 ``soak_checks``      what a soak samples and the limits it must stay within
 ``process_starts``   which processes a test starts (the fast suite starts none)
 ``work_clock``       the clock replicas are timed by, moved only by their stated work
+``call_count``       the Python functions a call enters, counted (the engine's own work)
 """

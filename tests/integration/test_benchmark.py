@@ -176,3 +176,18 @@ def test_ps_embeddings_benchmark_runs(tmp_path):
     for t in judged.values():
         assert t["verdict"] in ("met", "missed") if rows_served else t["value"] is None
     assert "target examples/s rows served / whole tables (1M x 32) >= 20" in out
+
+
+@pytest.mark.timeout(300)
+def test_only_engine_measures_the_engine_alone(tmp_path):
+    """--only engine: the engine's cost per empty step and its targets, nothing else
+    (no models, no input path, no chart), as issue 36's figures are re-measured."""
+    result, out = _benchmark(tmp_path, "throughput.py", "--quick", "--only", "engine",
+                             "--replicas", "1", "2")
+    assert result["only"] == "engine" and result["models"] == {}
+    assert "input_path_R2" not in result and not (tmp_path / "docs").exists()
+    assert [len(result["engine_overhead_rounds_us"][k]) for k in ("R1", "R2")] == [2, 2]
+    best = {t["what"] for t in result["targets"] if t.get("stat") == "best"}
+    assert best == {"engine overhead R1, best of 2 rounds (µs per step)",
+                    "engine overhead R2, best of 2 rounds (µs per step)"}
+    assert "engine overhead per step" in out and "target engine overhead R2" in out
