@@ -295,15 +295,25 @@ def tf_variables(tf, strategy, tables):
     return embeddings, dense, shards, accumulators
 
 
-def tf_step_fn(tf, strategy, embeddings, dense, shards, accumulators, hotness, lr):
+def tf_bag(tf, table, ids, lengths, form: str):
+    """One example's mean of its rows: TF's sparse lookup (``sparse``), or a dense lookup
+    of the padded ids with the padding weighed 0 (``padded``, as csrun's padded form)."""
+    if form == "sparse":
+        ragged = tf.RaggedTensor.from_tensor(ids, lengths=lengths)
+        return tf.nn.safe_embedding_lookup_sparse(table, ragged.to_sparse(), combiner="mean")
+    mask = tf.sequence_mask(lengths, tf.shape(ids)[1], dtype=tf.float32)
+    rows = tf.nn.embedding_lookup(table, ids)
+    return tf.reduce_sum(rows * mask[:, :, None], 1) / \
+        tf.cast(lengths, tf.float32)[:, None]
+
+
+def tf_step_fn(tf, strategy, embeddings, dense, shards, accumulators, hotness, lr,
+               form="sparse"):
     """The scheduled step: lookups, the MLP, BCE, Adagrad on every shard."""
     def forward(batch):
         x, label = batch["dense"], batch["label"]
-        bags = []
-        for t, table in enumerate(embeddings):
-            ids = tf.RaggedTensor.from_tensor(batch[f"ids{t}"], lengths=batch[f"len{t}"])
-            bags.append(tf.nn.safe_embedding_lookup_sparse(table, ids.to_sparse(),
-                                                           combiner="mean"))
+        bags = [tf_bag(tf, table, batch[f"ids{t}"], batch[f"len{t}"], form)
+                for t, table in enumerate(embeddings)]
         h = tf.concat([x, *bags], 1)
         for k in range(0, len(dense) - 4, 2):
             h = tf.nn.relu(tf.matmul(h, dense[k]) + dense[k + 1])
@@ -359,7 +369,7 @@ def tf_chief(args) -> int:
         .FixedShardsPartitioner(args.shards))
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     variables = tf_variables(tf, strategy, args.tables)
-    step = tf_step_fn(tf, strategy, *variables, args.hotness, args.lr)
+    step = tf_step_fn(tf, strategy, *variables, args.hotness, args.lr, args.tf_form)
     dataset_fn = tf_dataset_fn(tf, len(args.tables), args.hotness, args.batch // args.workers)
     per_worker = coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(dataset_fn))
@@ -402,6 +412,7 @@ def task_argv(python: str, task: str, args, workers: int, extra: list[str]) -> l
             "--hotness", ",".join(map(str, args.hotness)), "--batch", str(args.batch),
             "--workers", str(workers), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--lr", str(args.lr), "--shards", str(args.shards),
+            "--tf-form", args.tf_form,
             *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
             *extra]
 
@@ -553,7 +564,8 @@ def run_tf(workers: int, ps: int, args, folder: Path) -> dict:
     result = json.loads((run / "chief.json").read_text())
     return {"examples_per_s": result["examples"] / (result["end"] - result["begin"]),
             "seconds": result["end"] - result["begin"], "losses": result["losses"],
-            "tensorflow": result["tensorflow"], "cpu_ms_per_batch": cpu_per_step(
+            "tensorflow": result["tensorflow"], "tf_form": args.tf_form,
+            "cpu_ms_per_batch": cpu_per_step(
                 watch.spent(result["begin"], result["end"]), args.steps)}
 
 
@@ -700,6 +712,9 @@ def main(argv=None) -> int:
     add("--quick", action="store_true", help="tables of 4,000 rows and less, few steps")
     add("--padded", action="store_true", help="also run csrun's secondary form: padded "
         "ids, the tables called one by one (a lookup per table)")
+    add("--tf-form", choices=["sparse", "padded"], default="sparse",
+        help="TF's lookups: safe_embedding_lookup_sparse over the ragged ids (sparse), or "
+        "embedding_lookup of the padded ids, the padding weighed 0 (padded)")
     add("--json", metavar="PATH", help="write the figures as JSON")
     add("--profile", metavar="DIR", help="cProfile files of csrun's worker0 (its measured "
         "steps) and ps0 (its serving)")

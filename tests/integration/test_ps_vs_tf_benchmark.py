@@ -6,6 +6,7 @@ Python with tensorflow, which the test environment has not.)"""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -57,6 +58,17 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys)
         bench().main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_tfs_lookup_form_reaches_its_tasks_and_only_the_two_forms_are_taken(capsys):
+    b = bench()
+    with pytest.raises(SystemExit):
+        b.main(["--tf-form", "dense"])
+    assert "invalid choice: 'dense'" in capsys.readouterr().err
+    args = argparse.Namespace(tables=[4, 4, 4, 4], hotness=[1, 1, 1, 1], batch=8, steps=1,
+                              warmup=1, lr=0.1, shards=2, tf_form="padded", profile=None)
+    argv = b.task_argv("python", "tf-chief", args, 2, [])
+    assert argv[argv.index("--tf-form") + 1] == "padded"
 
 
 def test_without_tf_python_tensorflow_is_not_measured_and_it_says_so():
