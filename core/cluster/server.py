@@ -58,6 +58,10 @@ class ParameterServer:
         self._claim()
         self._watch = ChiefWatch(self._store, chief, timeout) if chief else None
         self._device = gloo_device(store_host(resolver))
+        # each channel meets its worker through a store connection of its own: a TCPStore
+        # client answers one call at a time, and a worker that died between its join and
+        # its end of the channel left the ps's books stuck behind that rendezvous
+        self._rendezvous = lambda: connect_store(resolver, False, timeout)
         self.shards = HeldShards(self.task_id)
         self._aborted: str | None = None  # why the chief ended the job after a failure
         self._failure: dict | None = None  # a request it failed: type, message, worker
@@ -146,7 +150,7 @@ class ParameterServer:
         worker = name.rsplit("#", 1)[0]
         try:
             with in_native():  # a process that ends meanwhile must not wait for it
-                channel = Channel(self._store.raw, keys.channel(self.task_id, name), 0,
+                channel = Channel(self._rendezvous(), keys.channel(self.task_id, name), 0,
                                   FOREVER, self._device)
                 while True:
                     op, payload = channel.recv()

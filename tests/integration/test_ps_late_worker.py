@@ -1,11 +1,15 @@
-"""A worker that starts after the chief ended the job (issue 39): it ends with the
-chief's reason, read from the job's store, instead of waiting for channels that the ps
-tasks, stopping, no longer make, and then finding ps:0 gone ("stopped answering")."""
+"""Channels made late or never (issue 39). A worker that starts after the chief ended
+the job ends with the chief's reason, read from the job's store, instead of waiting for
+channels that the ps tasks, stopping, no longer make, and then finding ps:0 gone
+("stopped answering"). A worker that dies between its join and its end of a channel
+leaves each ps waiting in a rendezvous of that channel's own, its books free."""
 
 import pytest
+import torch
 
 from csrun.core import ParameterServerStrategy
 from csrun.core.cluster import coordinator as coordinator_module
+from csrun.core.cluster import server, store_keys as keys
 from csrun.core.cluster.coordinator import JobCoordinator
 from csrun.core.cluster.transport import JobAborted
 from tests.helpers.ps_cluster import Cluster
@@ -18,6 +22,13 @@ REASON = "the chief ended the job: worker:0 failed: IndexError: index out of ran
 def _late_worker(cluster: Cluster) -> ParameterServerStrategy:
     return ParameterServerStrategy(cluster_spec=cluster.spec, task_type="worker", task_id=1,
                                    timeout=20)
+
+
+@pytest.fixture(autouse=True)
+def brief_wait(monkeypatch):
+    """ps:0 waits 5 s, not 15, for every task to read why the job ended: in one process
+    the chief's channels stay open, so its ps threads wait that long for it to go."""
+    monkeypatch.setattr(server, "ABORT_HEARD_S", 5.0)
 
 
 def _ended(cluster: Cluster) -> None:
@@ -62,3 +73,27 @@ def test_a_worker_whose_channels_are_never_made_hears_the_reason_while_it_waits(
         with pytest.raises(JobAborted) as ended:
             _late_worker(cluster)
         assert str(ended.value) == REASON
+
+
+def test_a_worker_that_dies_between_its_join_and_its_channel_does_not_stop_the_ps():
+    """A worker asked each ps for a channel and died before making its end: each ps waits
+    for it in a rendezvous of its own, while its books still answer (a step's count, the
+    chief's end of the job)."""
+    with Cluster(2, workers=2) as cluster:
+        store = cluster.strategy.extended.coordinator.store
+        for k in range(2):  # worker:1's join, as join_servers writes it, and nothing more
+            slot = store.add(keys.ps_joins(k), 1)
+            store.set(keys.ps_join(k, slot), "worker:1#1")
+        with cluster.strategy.scope():
+            model = torch.nn.Linear(3, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):  # each push is counted in the books by the ps that applied it
+            cluster.strategy.run(lambda: model(torch.ones(2, 3)).sum().backward())
+            optimizer.step()
+            optimizer.zero_grad()
+        assert cluster.strategy.extended.coordinator.steps_done() == 3
+        lost = cluster.strategy.extended.finish(timeout=2)  # worker:1 never pushed
+        assert lost == ["worker:1"]
+        cluster.aborted = True  # ended: nothing for the cluster's close to finish
+    for thread in cluster.threads:  # the chief ended the job: every ps stopped
+        assert not thread.is_alive()
