@@ -31,6 +31,7 @@ __all__ = [
     "require_cross_replica_or_default",
     "Entry",
     "DefaultMergeEntry",
+    "call_in",
     "in_default_replica_mode",
 ]
 
@@ -99,6 +100,23 @@ def pop(entry: Entry) -> None:
     tls.serving = stack[-1].serving
 
 
+def call_in(entry: Entry, fn: Callable, args: tuple, kwargs: dict | None) -> Any:
+    """``fn(*args, **kwargs)`` with ``entry`` on top of the stack: :func:`push`, the call
+    and :func:`pop` in one frame (each replica of every run enters one: the calls they
+    cost were a tenth of an empty step's)."""
+    tls = _tls
+    stack = tls.stack
+    stack.append(entry)
+    tls.serving = entry.serving
+    try:
+        return fn(*args, **kwargs) if kwargs else fn(*args)
+    finally:
+        if stack[-1] is not entry:  # pragma: no cover - guards misuse of the internals
+            raise RuntimeError("csrun context stack corrupted: scopes exited out of order")
+        stack.pop()
+        tls.serving = stack[-1].serving
+
+
 def current_serving():
     """The parameter view of the replica running on this thread, or None (hot path)."""
     return _tls.serving
@@ -137,7 +155,7 @@ def require_cross_replica_or_default(strategy, method: str, hint: str | None = N
     cross-replica context, or outside every strategy (the default one's); in another
     strategy's scope or run it is "mixing" them, in a replica of its own a RuntimeError
     that says how to get there (``hint``: another way)."""
-    entry = current_entry()
+    entry = _tls.stack[-1]  # current_entry(), inline: asked on every reduce
     if entry.strategy is None or (entry.strategy is strategy and entry.replica is None):
         return
     if entry.strategy is not strategy:

@@ -201,13 +201,12 @@ _WARNED_EAGER: list = []  # the one warning, once given
 
 
 def _prepare_for_compile() -> None:
-    """Once the compiler is loaded: the eager serve, torch.compile's module class, and
+    """Once the compiler is loaded (the caller asks): the eager serve, torch.compile's module class, and
     whether this torch can run compiled code in replicas."""
     global _eager_serve, _compiled_type, _compiles
-    if torch_internals.compiler_in_use():
-        _eager_serve = torch.compiler.disable(_serve_outside_graph)
-        _compiled_type = torch_internals.compiled_module_type()
-        _compiles = torch_internals.compiles_in_replicas()
+    _eager_serve = torch.compiler.disable(_serve_outside_graph)
+    _compiled_type = torch_internals.compiled_module_type()
+    _compiles = torch_internals.compiles_in_replicas()
 
 
 def eager_if_uncompilable(fn):
@@ -664,14 +663,14 @@ class ParameterStore:
     def begin_run(self, reads: bool = True) -> list["ReplicaServing"]:
         """Each replica's serving for a new run; ``reads=False``: a run that only
         backpropagates earlier outputs (nothing is served ahead of it)."""
-        if _eager_serve is None:
+        if _eager_serve is None and torch_internals.compiler_in_use():
             _prepare_for_compile()
         if self._pending:
             self.place_pending()
         if self._landing is not None:
             self.land_buffers()
         direct = self.direct  # no leaves to flush or serve ahead: the central tensors
-        if not direct:
+        if not direct and self._leaves:  # (flush_pending's own check, without its call)
             self.flush_pending()
         self._running = True
         servings, self._spare = self._spare, None
@@ -735,13 +734,13 @@ class ParameterStore:
         next run's to serve ahead."""
         # untouched: nothing served or written, so nothing to check, combine or serve
         # ahead (and the servings are as good as new for the next run)
-        untouched = all([s.untouched() for s in servings])
+        untouched = all(map(ReplicaServing.untouched, servings))  # (no comprehension frame)
         if not untouched:
             self._check_and_combine(servings, reads)
         elif reads:
             self._last_read = self._read_nothing
         self._running = False
-        if not self.direct:
+        if not self.direct and self._leaves:  # (flush_pending's own check)
             self._run_ended = True  # this flush may leave gradients arriving (offload.py)
             try:
                 self.flush_pending()

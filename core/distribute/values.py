@@ -175,7 +175,7 @@ def unstack(value: Any, count: int) -> list:
             if not distributed:
                 return [value] * count
             if len(value) == 1:  # run(fn, args=(batch,)): one distributed argument
-                return [(v,) for v in value[0]._values]
+                return list(zip(value[0]._values))  # its 1-tuples, without a frame
             return [tuple([v._values[r] if isinstance(v, DistributedValues) else v
                            for v in value]) for r in range(count)]
     columns = _unstack(value, count)
