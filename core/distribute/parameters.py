@@ -676,6 +676,9 @@ class ParameterStore:
         servings, self._spare = self._spare, None
         if servings is None:
             servings = [ReplicaServing(self, r) for r in self._replica_ids]
+        else:  # kept without their store (finish_run): theirs again
+            for serving in servings:
+                serving.store = self
         if not reads:
             return servings
         if any(self.compiled_leaves):
@@ -746,7 +749,9 @@ class ParameterStore:
                 self.flush_pending()
             finally:
                 self._run_ended = False
-        if untouched:
+        if untouched:  # kept for the next run without their store: a store that held
+            for serving in servings:  # servings pointing back at it would be a cycle,
+                serving.store = None  # freed only by the collector once dropped
             self._spare = servings
 
     def _check_and_combine(self, servings: list["ReplicaServing"], reads: bool) -> None:

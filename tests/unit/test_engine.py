@@ -824,6 +824,28 @@ def test_runs_leave_no_cyclic_garbage():
         gc.enable()
 
 
+def test_a_stores_last_reference_frees_it_without_the_collector():
+    # a run that reads nothing keeps its servings for the next: they must not point back
+    # at the store that keeps them, or each store left behind (a hook of an old output
+    # holds one) waits for the collector, which then walks the heap mid-run
+    strategy = _strategy(2)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
+    for _ in range(3):
+        strategy.reduce("SUM", strategy.run(lambda x: x, args=(value,)))
+    holder = [strategy.extended._store]
+    store = weakref.ref(holder[0])
+    del strategy, value
+    gc.collect()  # the strategy is gone; the store is held here alone
+    assert store() is not None
+    gc.disable()
+    try:
+        holder.clear()
+        assert store() is None
+    finally:
+        gc.enable()
+
+
 def test_parameter_server_strategy_is_exported_and_is_central_storage_without_a_cluster(
         monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
