@@ -47,10 +47,13 @@ class DataParallel(torch.nn.Module):
         parts), ``"balanced"`` (in proportion to each replica's measured speed), or
         ``"auto"`` (balanced for replicas on different kinds of device, e.g. a GPU and
         the CPU; else even). See :class:`~.strategy.StrategyOptions`.
+      execution: when replicas run at once, keyword-only: ``"auto"`` (the default),
+        ``"ordered"`` (one after another, TF's order) or ``"concurrent"``; results are
+        the same either way. See :class:`~.strategy.StrategyOptions`.
 
     Raises:
       TypeError: ``module`` is not a ``torch.nn.Module``, or ``dim`` not an int >= 0.
-      ValueError: an unknown ``batch_split``.
+      ValueError: an unknown ``batch_split`` or ``execution``.
       DeviceError: a device that cannot be parsed, does not exist or repeats, or a module
         whose tensors live on several devices when no ``parameter_device`` is given.
 
@@ -66,7 +69,7 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, device_ids: Any = None,
                  output_device: Any = None, dim: int = 0, *, parameter_device: Any = None,
-                 batch_split: str = "auto"):
+                 batch_split: str = "auto", execution: str = "auto"):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"DataParallel wraps a torch.nn.Module, got "
@@ -88,7 +91,7 @@ class DataParallel(torch.nn.Module):
         # one replica where the parameters and the output are: the module itself
         self._direct = len(compute) == 1 and \
             self._devices[0] == self.parameter_device == self.output_device
-        self._options = StrategyOptions(batch_split=batch_split)
+        self._options = StrategyOptions(batch_split=batch_split, execution=execution)
         self._strategy = CentralStorageStrategy(compute, parameter, options=self._options)
 
     @property

@@ -48,6 +48,8 @@ def test_a_bad_mode_is_refused_where_it_is_given():
         cs.DataParallel(torch.nn.Linear(2, 2), ["CPU:0", "CPU:1"], batch_split="uneven")
     with pytest.raises(ValueError, match="batch_split must be"):
         resolve_mode("Balanced", [CPU0])
+    with pytest.raises(ValueError, match="execution must be 'auto', 'ordered' or"):
+        cs.DataParallel(torch.nn.Linear(2, 2), ["CPU:0", "CPU:1"], execution="serial")
 
 
 def test_logical_cpu_replicas_keep_tfs_split_by_default():
@@ -266,11 +268,11 @@ def test_dataparallel_balances_along_its_dim(monkeypatch):
             clock.work(x.shape[1] * [1.0, 3.0][_rid()])
             return self.linear(x)
 
-    model = cs.DataParallel(Slow(), ["CPU:0", "CPU:1"], dim=1, batch_split="balanced")
     # one shared work clock times replicas only when they run one after the other; "auto"
     # runs them concurrently on a quiet machine (then each span holds both replicas' work)
-    extended = model.strategy.extended
-    extended._policy = type(extended._policy)(extended.compute_devices, "ordered")
+    model = cs.DataParallel(Slow(), ["CPU:0", "CPU:1"], dim=1, batch_split="balanced",
+                            execution="ordered")
+    assert model.strategy.extended.options.execution == "ordered"
     counts = []
     for _ in range(12):
         out = model(torch.randn(2, 64, 4))
