@@ -76,8 +76,11 @@ def _plain(make=_net):
     return model, step, lambda batches: batches
 
 
-def _csrun(devices, counted: _Counted, make=_net, **options):
-    strategy = cs.CentralStorageStrategy(devices, "CPU:0",
+def _csrun(devices, counted: _Counted | None, make=_net, parameter: str = "CPU:0",
+           **options):
+    """The csrun loop: ``(model, step, distribute)``; ``counted``: where its replicas'
+    ops are counted (None: not counted)."""
+    strategy = cs.CentralStorageStrategy(devices, parameter,
                                          options=cs.StrategyOptions(**options))
     torch.manual_seed(0)
     with strategy.scope():
@@ -85,7 +88,8 @@ def _csrun(devices, counted: _Counted, make=_net, **options):
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def replica(x, y):
-        with counted.count.replica() if counted.count else contextlib.nullcontext():
+        count = counted.count if counted is not None else None
+        with count.replica() if count else contextlib.nullcontext():
             loss = F.cross_entropy(model(x), y, reduction="sum") / BATCH
             loss.backward()
             return loss.detach()
@@ -325,23 +329,8 @@ def test_reduce_and_gather_leave_values_on_their_accelerator():
 
 # -- on a GPU -----------------------------------------------------------------------------
 def _gpu_loop(devices: list, parameter: str):
-    strategy = cs.CentralStorageStrategy(devices, parameter)
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = _net()
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-
-    def replica(x, y):
-        loss = F.cross_entropy(model(x), y, reduction="sum") / BATCH
-        loss.backward()
-        return loss.detach()
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = strategy.reduce("SUM", strategy.run(replica, args=(x, y)))
-        opt.step()
-        return loss
-    return step, list(strategy.experimental_distribute_dataset(_batches(WARM_STEPS + 3)))
+    _, step, distribute = _csrun(devices, None, parameter=parameter)
+    return step, distribute(_batches(WARM_STEPS + 3))
 
 
 @pytest.mark.gpu
