@@ -16,7 +16,7 @@ import threading
 import torch
 
 from . import store_keys as keys
-from .coordinator import JobCoordinator, stopped_answering
+from .coordinator import FAILED_REQUEST, JobCoordinator, stopped_answering
 from .plan import Shard
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
@@ -141,7 +141,7 @@ class ParameterServerClient:
             message = decode(reply[0])
             if isinstance(message, dict):  # the ps's own failure, which ended the job
                 self._coordinator.ended_why()  # read (ps:0 waits for every task to)
-                raise HandlerError(f"ps:{k} failed on a request of "
+                raise HandlerError(f"ps:{k}{FAILED_REQUEST}"
                                    f"{message.get('worker', self.task)}: "
                                    f"{message['type']}: {message['message']}")
             # the job's one line (the first failure's), read from the store: counted there

@@ -9,6 +9,7 @@ through its :class:`ServerBooks`. Both write only the keys of :mod:`.store_keys`
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from typing import Callable
@@ -23,15 +24,26 @@ from .transport import (BoundedStore, DuplicateTask, JobAborted, ParameterServer
                         transport_error)
 
 __all__ = ["JobCoordinator", "ServerBooks", "CLAIM_GRACE_S", "ENDED_BY_CHIEF",
-           "stopped_answering"]
+           "FAILED_REQUEST", "echoes", "stopped_answering"]
 
 ENDED_BY_CHIEF = "the chief ended the job"  # how every other task then ends (launch reads it)
+FAILED_REQUEST = " failed on a request of "  # "ps:K failed on a request of worker:N: ..."
 CLAIM_GRACE_S = 5.0  # how long a restarted task waits for the ps to see its old process die
 
 
 def stopped_answering(ps: str, task: str, exc: BaseException) -> StoppedAnswering:
     """``ps`` ("ps:0 (host:port)") broke the connection ``task`` had to it."""
     return StoppedAnswering(ps, task, transport_error(exc))
+
+
+def echoes(task: str, line: str) -> bool:
+    """Whether ``line``, the one line ``task`` ended with, repeats another task's failure
+    (the job's first, recorded once): the chief's end of the job, or a ps's failed
+    request. Such a task may exit before the one that failed (it heard first)."""
+    if line.startswith(ENDED_BY_CHIEF):
+        return True
+    ps, found, _ = line.partition(FAILED_REQUEST)
+    return bool(found) and ps != task and re.fullmatch(r"ps:\d+", ps) is not None
 
 
 def record_abort(store: BoundedStore, sentence: str) -> None:

@@ -18,7 +18,7 @@ import uuid
 import torch
 
 from . import store_keys as keys
-from .coordinator import ServerBooks, stopped_answering
+from .coordinator import FAILED_REQUEST, ServerBooks, stopped_answering
 from .heartbeat import ChiefGone, ChiefWatch
 from .resolvers import ClusterResolver
 from .shards import HeldShards, Refused
@@ -182,7 +182,7 @@ class ParameterServer:
         every task ends saying why; the worker that asked gets the exception itself."""
         message = str(exc).splitlines()[0][:400] if str(exc) else ""
         failed = {"type": type(exc).__name__, "message": message, "worker": worker}
-        self._aborted = f"ps:{self.task_id} failed on a request of {worker}: " \
+        self._aborted = f"ps:{self.task_id}{FAILED_REQUEST}{worker}: " \
                         f"{failed['type']}: {message}"
         self._failure = failed
         try:  # the chief ends the job when it hears (the other ps serve on until then)

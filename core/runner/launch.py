@@ -44,7 +44,7 @@ from ..config.schema import RunConfig
 from .preflight import load_config
 from .preflight import check_writable
 from ..config.problems import ConfigError, Problem
-from ..cluster.coordinator import ENDED_BY_CHIEF
+from ..cluster.coordinator import echoes
 
 __all__ = ["LaunchPlan", "LaunchResult", "thread_settings", "TaskStarted", "TaskOutput", "TaskExited",
            "plan_launch", "launch", "tf_config", "describe_exit", "MAX_TASKS"]
@@ -457,9 +457,10 @@ def _first_failure(tasks: dict[str, _Task], codes: dict, chief: str) -> str | No
     because of it."""
     failed = [n for n in tasks if codes[n] not in (0, None) and (
         n == chief or n.startswith("ps") or codes[n] > 0 and not tasks[n].signalled)]
-    # a task ending with "the chief ended the job: ..." echoes the chief's failure and
-    # may exit before the chief does (it heard the reason first): the chief is the cause
-    own = [n for n in failed if not _reason(tasks[n]).startswith(ENDED_BY_CHIEF)]
+    # a task ending with "the chief ended the job: ..." or "ps:1 failed on a request of
+    # ..." echoes that failure and may exit before the task that failed (it heard the
+    # reason first): that task is the cause
+    own = [n for n in failed if not echoes(n, _reason(tasks[n]))]
     return min(own or failed, key=lambda n: tasks[n].ended_at or 0) if failed else None
 
 

@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from csrun.core.cluster.coordinator import echoes
 from csrun.core.runner.launch import (LaunchPlan, TaskExited, TaskOutput, TaskStarted,
                                describe_exit, launch)
 
@@ -129,6 +130,28 @@ def test_a_task_echoing_the_chiefs_failure_is_not_named_first(tmp_path):
                                   "checkpoint', file=sys.stderr); sys.exit(1)"))
     assert result.status == "failed" and result.failed_task == "worker:0"
     assert result.error.startswith("worker:0 failed first (exit 1): bad checkpoint")
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_a_worker_echoing_a_ps_failed_request_is_not_named_first(tmp_path):
+    # worker:1 hears ps:0's failure on the chief's request and exits first: ps:0 is named
+    line = "ps:0 failed on a request of worker:0: IsADirectoryError: ck/x.safetensors"
+    echo = f"import sys; print('error: {line}', file=sys.stderr); sys.exit(1)"
+    late = f"import sys, time; time.sleep(1); print('error: {line}', file=sys.stderr); " \
+           "sys.exit(1)"
+    result, _ = run(plan(tmp_path, worker_1=echo, worker_0=late, ps_0=late))
+    assert result.status == "failed" and result.failed_task == "ps:0", result.error
+    assert result.error.startswith(f"ps:0 failed first (exit 1): {line}")
+
+
+def test_which_lines_echo_another_tasks_failure():
+    line = "ps:1 failed on a request of worker:0: KeyError: 'shard 7'"
+    assert echoes("worker:1", line) and echoes("worker:0", line) and echoes("ps:0", line)
+    assert not echoes("ps:1", line)  # its own
+    assert echoes("ps:0", "the chief ended the job: worker:0 failed: bad checkpoint")
+    assert not echoes("worker:0", "step 13: IndexError: index out of range")
+    assert not echoes("worker:1", "model.loss failed on a request of the user: no")
 
 
 @pytest.mark.process
