@@ -67,15 +67,17 @@ class ParameterServerClient:
         self.steps = 0  # optimizer steps this process pushed
         spec = resolver.cluster_spec()
         self._ps_names = [f"ps:{k} ({spec.task_address('ps', k)})" for k in range(self.num_ps)]
+        # the channels meet through a connection of their own, made before the join is
+        # announced (a join whose worker then cannot make its end leaves each ps waiting):
+        # a TCPStore client answers one call at a time, and a channel's making waits in a
+        # call until its ps makes its end (a ps that ended the job never does), while the
+        # books must still answer
+        self._rendezvous = raw = connect_store(resolver, False, timeout, stop)
         coordinator.join_servers()
         # gloo's bound of each tensor's send or receive is a backstop: exchange() bounds
         # the whole exchange by the timeout
         bound = datetime.timedelta(seconds=2 * timeout + 5)
         device = gloo_device(store_host(resolver))
-        # the channels meet through a connection of their own: a TCPStore client answers
-        # one call at a time, and a channel's making waits in a call until its ps makes
-        # its end (a ps that ended the job never does), while the books must still answer
-        self._rendezvous = raw = connect_store(resolver, False, timeout, stop)
         name = coordinator.name
         # one thread per ps for every exchange with it, its channel's making included
         self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]

@@ -10,12 +10,14 @@ lookups while it applies. A request it cannot serve fails that worker with the r
 
 from __future__ import annotations
 
+import datetime
 import pathlib
 import threading
 import time
 import uuid
 
 import torch
+import torch.distributed as dist
 
 from . import store_keys as keys
 from .coordinator import FAILED_REQUEST, ServerBooks, stopped_answering
@@ -61,7 +63,12 @@ class ParameterServer:
         # each channel meets its worker through a store connection of its own: a TCPStore
         # client answers one call at a time, and a worker that died between its join and
         # its end of the channel left the ps's books stuck behind that rendezvous
-        self._rendezvous = lambda: connect_store(resolver, False, timeout)
+        # (made on the channel's thread itself, which waits in native code anyway: no
+        # thread of connect_store's own is left behind per worker incarnation)
+        host, _, port = address.rpartition(":")
+        self._rendezvous = lambda: dist.TCPStore(
+            host, int(port), is_master=False, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout))
         self.shards = HeldShards(self.task_id)
         self._aborted: str | None = None  # why the chief ended the job after a failure
         self._failure: dict | None = None  # a request it failed: type, message, worker

@@ -213,8 +213,10 @@ LATE = """\
 import json, os, pathlib, time
 
 # worker:1 starts once the chief has failed and ended the job (this folder is first on
-# PYTHONPATH: Python imports this module before anything else)
+# PYTHONPATH: Python imports this module before anything else); torch and csrun are
+# imported first, so that it joins well within ps:0's wait for every task to hear
 if json.loads(os.environ.get("TF_CONFIG", "{}")).get("task") == {"type": "worker", "index": 1}:
+    import torch, csrun.core  # noqa: F401
     deadline = time.monotonic() + 150
     while not pathlib.Path("logs/worker-0.result.json").exists() and \\
             time.monotonic() < deadline:
