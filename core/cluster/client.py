@@ -23,8 +23,7 @@ from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZ
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, Caller, Channel,
                         ClusterMismatch, JobAborted,
                         ParameterServerError, connect_store, decode, encode, flat_by_dtype,
-                        gloo_device,
-                        pack_state, store_host, unflatten_into, unpack_state)
+                        gloo_device, pack_state, store_host, unflatten_into, unpack_state)
 
 __all__ = ["ParameterServerClient", "Push", "HandlerError"]
 

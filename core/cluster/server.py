@@ -10,14 +10,12 @@ lookups while it applies. A request it cannot serve fails that worker with the r
 
 from __future__ import annotations
 
-import datetime
 import pathlib
 import threading
 import time
 import uuid
 
 import torch
-import torch.distributed as dist
 
 from . import store_keys as keys
 from .coordinator import FAILED_REQUEST, ServerBooks, stopped_answering
@@ -27,8 +25,8 @@ from .shards import HeldShards, Refused
 from .transport import (ABORTED, ASSIGN, BYE, FOREVER, LOAD, LOOKUP, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, BoundedStore,
                         Channel, DuplicateTask, JobAborted, StoppedAnswering, agree,
-                        connect_store, decode, encode, gloo_device, in_native, pack_state,
-                        poll_until, store_host, transport_error, unpack_state)
+                        connect_store, decode, encode, gloo_device, in_native, open_store,
+                        pack_state, poll_until, store_host, transport_error, unpack_state)
 
 __all__ = ["ParameterServer", "ABORT_HEARD_S"]
 
@@ -65,10 +63,7 @@ class ParameterServer:
         # its end of the channel left the ps's books stuck behind that rendezvous
         # (made on the channel's thread itself, which waits in native code anyway: no
         # thread of connect_store's own is left behind per worker incarnation)
-        host, _, port = address.rpartition(":")
-        self._rendezvous = lambda: dist.TCPStore(
-            host, int(port), is_master=False, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout))
+        self._rendezvous = lambda: open_store(resolver, False, timeout)
         self.shards = HeldShards(self.task_id)
         self._aborted: str | None = None  # why the chief ended the job after a failure
         self._failure: dict | None = None  # a request it failed: type, message, worker

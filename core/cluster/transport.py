@@ -173,6 +173,10 @@ class Caller:
         self._queue.put((call, box, done))
         return box, done
 
+    def _give_up(self, what: str) -> None:
+        """The call still running is left behind: every later one fails at once."""
+        self._stuck = ParameterServerError(f"{what} is still busy with a call given up on")
+
     def wait(self, ticket: tuple[dict, threading.Event], timeout: float, what: str,
              stop: threading.Event | None = None,
              ended: Callable[[], str | None] | None = None) -> Any:
@@ -186,14 +190,12 @@ class Caller:
         asked = time.monotonic()
         while not done.wait(_SLICE):
             if stop is not None and stop.is_set():
-                self._stuck = ParameterServerError(f"{what} is still busy with a call "
-                                                   "given up on")
+                self._give_up(what)
                 raise Stopped(what)
             if ended is not None and time.monotonic() - asked >= _ENDED_EVERY:
                 asked, reason = time.monotonic(), ended()
                 if reason is not None:
-                    self._stuck = ParameterServerError(f"{what} is still busy with a call "
-                                                       "given up on")
+                    self._give_up(what)
                     raise JobAborted(reason)
             if time.monotonic() > deadline:
                 self._stuck = ParameterServerError(
@@ -241,15 +243,22 @@ class BoundedStore:
         return call
 
 
+def open_store(resolver: ClusterResolver, is_master: bool, timeout: float) -> dist.TCPStore:
+    """A connection to the job's store at ``ps:0``'s address (hosting it: ``is_master``),
+    made on the calling thread; :func:`connect_store` bounds it and names its errors."""
+    host, _, port = resolver.cluster_spec().task_address("ps", 0).rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=is_master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
 def connect_store(resolver: ClusterResolver, is_master: bool, timeout: float,
                   stop: threading.Event | None = None) -> dist.TCPStore:
     """The job's store at ``ps:0``'s address: hosted there, joined by every other task."""
     host, _, port = resolver.cluster_spec().task_address("ps", 0).rpartition(":")
     where = f"the cluster's store at ps:0 ({host}:{port})"
     try:
-        return bounded(lambda: dist.TCPStore(
-            host, int(port), is_master=is_master, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout)), timeout, where, stop)
+        return bounded(lambda: open_store(resolver, is_master, timeout), timeout, where,
+                       stop)
     except (RuntimeError, OSError) as exc:
         why = None if is_master else unreachable(host, int(port))
         if why is not None:  # not a frozen store: nothing, or something else, is there

@@ -645,7 +645,6 @@ class ExecutionPolicy:
         if snapshot is _SINCE_LAST and now == self._last_state:
             # steady and unmoved: what _judge concludes, without its calls (the streams
             # stay off, the quiet runs go on, nothing drew); only the work may move
-            self._last_state = now
             if self._shared_cpu and not self._draws and durations:
                 self._weigh(durations, watched=True)
                 self._steady = self.state == "ordered"
