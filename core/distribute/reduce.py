@@ -176,16 +176,14 @@ def reduce_on_cpu(op: ReduceOp, values: Sequence[Any],
     shape, none boolean, added in replica order (the same adds). One pass of checks, no
     per-value conversions: an empty step's reduce was mostly those. None for anything
     else, which :func:`reduce_values` handles (with its messages)."""
-    first = values[0]
-    if device is not _CPU or type(first) is not _Tensor or not first.is_cpu \
-            or first.dtype is _BOOL:
+    total = values[0]
+    if device is not _CPU or type(total) is not _Tensor or not total.is_cpu \
+            or total.dtype is _BOOL:
         return None
-    shape = first.shape
-    for t in values:
-        if type(t) is not _Tensor or not t.is_cpu or t.shape != shape or t.dtype is _BOOL:
+    shape = total.shape
+    for t in values[1:]:  # each checked, then added: an add has no side effect to undo
+        if type(t) is not _Tensor or not t.is_cpu or t.dtype is _BOOL or t.shape != shape:
             return None
-    total = first
-    for t in values[1:]:
         total = total + t
     if op is ReduceOp.MEAN:
         return total.to(_mean_dtype(total.dtype)) / len(values)

@@ -502,6 +502,8 @@ class ReplicaRun:
 
 # before_run's snapshot when the last run's end stands for this run's start
 _SINCE_LAST = b"since the last run"
+# ExecutionPolicy._steady: the state a steady policy runs replicas in (compared by identity)
+_STEADY_ORDERED, _STEADY_CONCURRENT = "ordered", "concurrent"
 
 
 class ExecutionPolicy:
@@ -539,6 +541,7 @@ class ExecutionPolicy:
         self.mode = mode
         self._cpu = [i for i, d in enumerate(devices) if not d.is_gpu]
         self._num_replicas = len(devices)
+        self._all_cpu = len(self._cpu) == self._num_replicas
         self._shared_cpu = mode == "auto" and len(self._cpu) > 1
         self._draws = False  # replicas were seen drawing from the global generator
         self._work = None    # moving average of seconds per replica body
@@ -549,7 +552,7 @@ class ExecutionPolicy:
         self._trial = True   # the next finished run decides whether they draw
         self._last_state = None  # the global generator's state as the last run ended
         self._quiet = 0  # watched runs in a row that nothing drew before (_since_last)
-        self._steady = False  # set by after_run: see there
+        self._steady = None  # set by after_run: see _steady_state
         if len(self._cpu) > 1:
             self._seed = RunSeed()
             self._random = [ReplicaRandom(i, self._seed) if i in self._cpu else None
@@ -572,7 +575,7 @@ class ExecutionPolicy:
     def threads(self) -> list | None:
         """Intra-op threads of each replica (None: leave the thread's own setting)."""
         if not self._cpu or not (self._shared_cpu or
-                                 (self.concurrent and self.mode == "concurrent")):
+                                 (self.mode == "concurrent" and self.concurrent)):
             return None
         total = torch.get_num_threads()
         if self._split is None or self._split[0] != total:  # cached: asked on every run
@@ -588,7 +591,7 @@ class ExecutionPolicy:
         region has one member per intra-op thread, never more: more would add OpenMP
         threads to the process for good, and with them change how the user's own code
         waits. Replicas beyond them (4 on 2 threads) run on worker threads beside it."""
-        if not self.concurrent or len(self._cpu) != self._num_replicas:
+        if not self.concurrent or not self._all_cpu:
             return None
         return find_team() if self.threads()[0] == 1 else None
 
@@ -608,15 +611,22 @@ class ExecutionPolicy:
         return streams
 
     def start(self) -> tuple:
-        """What the next run needs, in one call (every run asks): each replica's
-        intra-op threads, random streams and OpenMP team, and :meth:`before_run`'s
-        snapshot for :meth:`after_run`."""
-        if self._steady:  # what the calls below give in that state, without them
+        """What the next run needs, in one call (every run asks): whether the replicas
+        run at once, each one's intra-op threads, random streams and OpenMP team, and
+        :meth:`before_run`'s snapshot for :meth:`after_run`."""
+        steady = self._steady
+        if steady:  # what the calls below give in that state, without them
             self._seed.reset()
-            return self.threads(), None, None, _SINCE_LAST
+            threads = self.threads()
+            if steady is _STEADY_ORDERED:
+                return False, threads, None, None, _SINCE_LAST
+            team = None  # concurrent: team() without its checks, made when steady
+            if self._all_cpu and threads[0] == 1:
+                team = find_team()
+            return True, threads, None, team, global_state()
         random = self.random()  # before before_run: it resets the run's seed
         team = self.team() if self.state == "concurrent" else None
-        return self.threads(), random, team, self.before_run()
+        return self.concurrent, self.threads(), random, team, self.before_run()
 
     def before_run(self) -> bytes | None:
         """A snapshot of the CPU generator when this run could change the decision: the
@@ -642,19 +652,34 @@ class ExecutionPolicy:
     def after_run(self, snapshot: bytes | None, durations: list) -> None:
         # one read of the global state serves both checks (~5 µs each on an empty run)
         now = global_state() if snapshot is not None else None
-        if snapshot is _SINCE_LAST and now == self._last_state:
+        steady = self._steady
+        if steady and now == (self._last_state if snapshot is _SINCE_LAST else snapshot):
             # steady and unmoved: what _judge concludes, without its calls (the streams
             # stay off, the quiet runs go on, nothing drew); only the work may move
+            if steady is _STEADY_CONCURRENT:  # both ends read: _since_last's count
+                self._quiet = self._quiet + 1 if snapshot == self._last_state else 0
+                self._last_state = now
             if self._shared_cpu and not self._draws and durations:
                 self._weigh(durations, watched=True)
-                self._steady = self.state == "ordered"
+                if self.state != steady:  # (ordered needs its quiet runs again)
+                    self._steady = self._steady_state()
             return
         self._judge(snapshot, now, durations)
-        # Streams off, in order, and nothing drew between the last runs: start() and
-        # the read above are all a run asks of the policy (an empty step's largest part)
-        self._steady = (self._random is not None and not self._armed
-                        and self.state == "ordered" and self._last_state is not None
-                        and self._quiet >= self.QUIET_RUNS)
+        self._steady = self._steady_state()
+
+    def _steady_state(self) -> str | None:
+        """Streams off and nothing drew: start() and one read of the generator (in
+        order, where nothing drew between the last runs either) or two (replicas at
+        once, which read both ends of every run) are all a run asks of the policy (an
+        empty step's largest part). The state it is steady in, or None."""
+        if self._random is None or self._armed or self._trial or self._seed.around:
+            return None
+        if self.state == "concurrent":
+            return _STEADY_CONCURRENT
+        if self.state == "ordered" and self._last_state is not None \
+                and self._quiet >= self.QUIET_RUNS:
+            return _STEADY_ORDERED
+        return None
 
     def _judge(self, snapshot: bytes | None, now: bytes | None, durations: list) -> None:
         snapshot = self._since_last(snapshot, now)

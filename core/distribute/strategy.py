@@ -613,8 +613,8 @@ class ParameterServerStrategyExtended:
                              self._collectives_for)
             snapshot = None
         else:
-            threads, random, team, snapshot = policy.start()
-            run = ReplicaRun(count, policy.concurrent, body, self._executor, threads,
+            concurrent, threads, random, team, snapshot = policy.start()
+            run = ReplicaRun(count, concurrent, body, self._executor, threads,
                              servings, self._collectives_for, random, team)
         if streams is not None:
             self._start_streams(streams)

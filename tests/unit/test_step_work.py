@@ -451,10 +451,11 @@ def test_replicas_that_start_drawing_get_their_streams_back(execution):
 
 
 # -- the engine's own work in an empty step (issue 36: its cost is Python bookkeeping) ----
-def _empty_step(replicas: int = 2):
+def _empty_step(replicas: int = 2, execution: str = "auto"):
     """benchmarks/throughput.py's empty step (run + reduce of an identity function),
     warmed up until the policy is steady."""
-    strategy = cs.CentralStorageStrategy([f"CPU:{i}" for i in range(replicas)], "CPU:0")
+    strategy = cs.CentralStorageStrategy([f"CPU:{i}" for i in range(replicas)], "CPU:0",
+                                         options=cs.StrategyOptions(execution=execution))
     value = strategy.experimental_distribute_values_from_function(
         lambda ctx: torch.tensor(float(ctx.replica_id_in_sync_group)))
 
@@ -543,6 +544,32 @@ def test_a_steady_run_asks_the_policy_only_what_it_needs(monkeypatch):
     reads = _reads(monkeypatch)
     step()
     assert len(reads) == 1
+    x = torch.ones(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(2):
+            strategy.run(lambda v: F.dropout(v, 0.5), args=(x,))
+    assert strategy.extended._policy._armed
+    assert "ExecutionPolicy.random" in calls(step)  # not steady while armed
+
+
+@pytest.mark.parametrize("execution", ["ordered", "concurrent"])
+def test_a_steady_policy_asks_as_little_when_the_execution_is_chosen(execution, monkeypatch):
+    """With ``execution`` set, not ``auto``, the policy is steady too (review: it was
+    ``auto`` only): replicas in order read the generator once a run, replicas at once at
+    both ends of every run (their draws would interleave: seen in the run they happen),
+    and nothing else is asked. Draws still bring the streams back."""
+    strategy, step = _empty_step(execution=execution)
+    assert strategy.extended._policy.state == execution
+    work = calls(step)
+    policy = {k: n for k, n in work.items() if k.startswith(("ExecutionPolicy.", "RunSeed."))}
+    assert not {"ExecutionPolicy.random", "ExecutionPolicy.before_run", "ExecutionPolicy.team",
+                "ExecutionPolicy._judge", "ExecutionPolicy._since_last", "RunSeed.moved",
+                "ExecutionPolicy._settle_streams"} & set(policy), policy
+    assert sum(policy.values()) <= (4 if execution == "ordered" else 5), policy
+    reads = _reads(monkeypatch)
+    step()
+    assert len(reads) == (1 if execution == "ordered" else 2)
     x = torch.ones(4, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
