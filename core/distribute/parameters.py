@@ -379,8 +379,9 @@ class ParameterStore:
         self._aliases: list[dict] = [{} for _ in self.compute_devices]
         self._mirrors: list = [None] * len(self.compute_devices)
         # whether an alias or a mirror was ever made: until then a run has no replica
-        # leaf to hand a gradient over from (asked three times a run: one attribute)
-        self._leaves = False
+        # leaf to hand a gradient over from, nor outputs to watch (asked three times a
+        # run, and by the strategy before watch_outputs: one attribute, no call)
+        self.has_leaves = False
         self._buffer_mirrors: list = [None] * len(self.compute_devices)
         # the last run's written buffers, on their way from GPUs (land_buffers)
         self._landing: _BufferLanding | None = None
@@ -670,7 +671,7 @@ class ParameterStore:
         if self._landing is not None:
             self.land_buffers()
         direct = self.direct  # no leaves to flush or serve ahead: the central tensors
-        if not direct and self._leaves:  # (flush_pending's own check, without its call)
+        if not direct and self.has_leaves:  # (flush_pending's own check, without its call)
             self.flush_pending()
         self._running = True
         servings, self._spare = self._spare, None
@@ -743,7 +744,7 @@ class ParameterStore:
         elif reads:
             self._last_read = self._read_nothing
         self._running = False
-        if not self.direct and self._leaves:  # (flush_pending's own check)
+        if not self.direct and self.has_leaves:  # (flush_pending's own check)
             self._run_ended = True  # this flush may leave gradients arriving (offload.py)
             try:
                 self.flush_pending()
@@ -775,7 +776,7 @@ class ParameterStore:
         # No replica leaf exists (nothing served yet): no graph of these outputs can
         # reach one. The usual outputs, detached losses (tensors that need no grad): no
         # graph to walk.
-        if self.direct or not self._leaves or all(
+        if self.direct or not self.has_leaves or all(
                 [type(o) is torch.Tensor and not o.requires_grad for o in outputs]):
             return
         hook = self._late_hook
@@ -807,7 +808,7 @@ class ParameterStore:
         At a run's end, gradients still on their way from GPUs may stay so, in ``.grad``
         as :class:`.offload.ArrivingGrad` (see :meth:`_may_arrive_later`).
         """
-        if not self._leaves:  # no leaves (yet), or direct
+        if not self.has_leaves:  # no leaves (yet), or direct
             return
         # locked: a backward's callback may flush on an autograd thread, and two flushes
         # taking the same leaf gradient would add it twice
@@ -954,7 +955,7 @@ class ParameterStore:
                 return leaf
         leaf = central.detach().requires_grad_(central.requires_grad)
         cache[id(central)] = (weakref.ref(central), leaf)
-        self._leaves = True
+        self.has_leaves = True
         self._follow(central)
         return leaf
 
@@ -972,7 +973,7 @@ class ParameterStore:
             mirror = DeviceMirror(self.compute_devices[replica_id].torch_device,
                                   self._torch_param, self.bytes_per_pack)
             self._mirrors[replica_id] = mirror
-            self._leaves = True
+            self.has_leaves = True
         return mirror
 
     def forget(self, key: int) -> None:

@@ -535,8 +535,9 @@ class ParameterServerStrategyExtended:
             if self._places_args:
                 replica_args, replica_kwargs = self._placed(replica_args, replica_kwargs)
             outputs = self._call(fn, replica_args, replica_kwargs)
-            if not self._store.direct:  # after the run is done: it cannot undo it
-                self._store.watch_outputs(outputs)
+            store = self._store
+            if store.has_leaves and not store.direct:  # after the run: it cannot undo it
+                store.watch_outputs(outputs)  # (no leaf yet: no graph can reach one)
             return outputs[0] if count == 1 else regroup(outputs)
         finally:
             self._run_lock.release()
