@@ -31,7 +31,7 @@ __all__ = [
     "require_cross_replica_or_default",
     "Entry",
     "DefaultMergeEntry",
-    "call_in",
+    "call_as_replica",
     "in_default_replica_mode",
 ]
 
@@ -100,14 +100,25 @@ def pop(entry: Entry) -> None:
     tls.serving = stack[-1].serving
 
 
-def call_in(entry: Entry, fn: Callable, args: tuple, kwargs: dict | None) -> Any:
-    """``fn(*args, **kwargs)`` with ``entry`` on top of the stack: :func:`push`, the call
-    and :func:`pop` in one frame (each replica of every run enters one: the calls they
-    cost were a tenth of an empty step's)."""
+_new = object.__new__
+
+
+def call_as_replica(strategy, replica_id: int, local_id: int, run, serving, fn: Callable,
+                    args: tuple, kwargs: dict | None) -> Any:
+    """``fn(*args, **kwargs)`` as replica ``local_id`` of ``run`` (``replica_id`` in the
+    sync group): its :class:`ReplicaContext` and :class:`Entry` made, pushed, the call
+    and the pop in one frame. Each replica of every run enters one: the two
+    constructors' frames and a call for the push and pop were a tenth of an empty step,
+    so their fields are set here (the constructors' own, as a test checks)."""
+    replica = _new(ReplicaContext)  # ReplicaContext(strategy, replica_id, run, local_id)
+    replica.strategy, replica._replica_id, replica._local_id, replica._run = \
+        strategy, replica_id, local_id, run
+    entry = _new(Entry)  # Entry(strategy, replica, serving)
+    entry.strategy, entry.replica, entry.serving = strategy, replica, serving
     tls = _tls
     stack = tls.stack
     stack.append(entry)
-    tls.serving = entry.serving
+    tls.serving = serving
     try:
         return fn(*args, **kwargs) if kwargs else fn(*args)
     finally:

@@ -19,7 +19,7 @@ import torch
 
 from . import context
 from .batch_split import MODES, BatchBalancer
-from .context import (Entry, ReplicaContext, call_in, cross_replica_required,
+from .context import (Entry, ReplicaContext, call_as_replica, cross_replica_required,
                       require_cross_replica_or_default)
 from .cross_device_ops import Collectives
 from .devices import (LogicalDevice, default_compute_devices, default_parameter_device,
@@ -650,16 +650,16 @@ class ParameterServerStrategyExtended:
         strategy, offset = self._container, self._replica_offset
 
         def body(run: ReplicaRun, replica_id: int) -> Any:
-            replica = ReplicaContext(strategy, offset + replica_id, run, replica_id)
-            entry = Entry(strategy, replica, run.servings[replica_id])
             a = replica_args[replica_id]
             k = replica_kwargs[replica_id] if replica_kwargs is not None else None
             try:
                 if streams is not None and streams[replica_id] is not None:
                     device = self._compute[replica_id].torch_device
                     with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
-                        return call_in(entry, fn, a, k)
-                return call_in(entry, fn, a, k)
+                        return call_as_replica(strategy, offset + replica_id, replica_id,
+                                               run, run.servings[replica_id], fn, a, k)
+                return call_as_replica(strategy, offset + replica_id, replica_id, run,
+                                       run.servings[replica_id], fn, a, k)
             except ReplicaAborted:
                 raise
             except BaseException as exc:

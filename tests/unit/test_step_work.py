@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import csrun.core as cs
-from csrun.core.distribute import parameters
+from csrun.core.distribute import context, parameters
 from tests.helpers.call_count import calls
 from tests.helpers.op_count import OpCount, model_tensors
 
@@ -480,9 +480,26 @@ def test_an_empty_step_enters_a_bounded_number_of_functions():
     _, step = _empty_step()
     work = calls(step)
     assert sum(work.values()) <= 45, work
-    assert work["push"] == work["pop"] == 0 and work["call_in"] == 2
+    assert work["push"] == work["pop"] == 0 and work["call_as_replica"] == 2
+    assert work["ReplicaContext.__init__"] == work["Entry.__init__"] == 0
     assert work["ParameterStore.flush_pending"] == work["_prepare_for_compile"] == 0
     assert work["generator_state_bytes"] == 1  # the watch: one read a run
+
+
+def test_a_replicas_context_is_what_its_constructors_make():
+    """``call_as_replica`` sets the fields of a replica's ReplicaContext and stack
+    Entry without entering their constructors: the same fields, the same values."""
+    strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+    entries = []
+    strategy.run(lambda: entries.append(context.current_entry()))
+    for local_id, entry in enumerate(entries):
+        replica = entry.replica
+        made = context.ReplicaContext(strategy, local_id, replica._run, local_id)
+        assert vars(replica) == vars(made) and type(replica) is context.ReplicaContext
+        expected = context.Entry(strategy, replica, replica._run.servings[local_id])
+        assert [getattr(entry, f) for f in context.Entry.__slots__] == \
+            [getattr(expected, f) for f in context.Entry.__slots__]
+        assert entry.serving is not None and not hasattr(entry, "__dict__")
 
 
 def test_a_run_that_reads_no_parameters_serves_and_hands_over_nothing():
