@@ -169,16 +169,15 @@ def _sum_elementwise(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         "pass axis=0 to reduce along the batch dimension as well")
 
 
-def reduce_on_cpu(op: ReduceOp, values: Sequence[Any],
-                  device: torch.device) -> torch.Tensor | None:
-    """``reduce_values(op, values, None, device)`` for the usual step's loss reduced onto
-    the CPU (``device`` as :func:`current_device` gives it): plain CPU tensors of one
-    shape, none boolean, added in replica order (the same adds). One pass of checks, no
-    per-value conversions: an empty step's reduce was mostly those. None for anything
-    else, which :func:`reduce_values` handles (with its messages)."""
+def reduce_on_cpu(op: ReduceOp, values: Sequence[Any]) -> torch.Tensor | None:
+    """``reduce_values(op, values, None, current_device())`` for the usual step's loss
+    reduced onto the CPU, no default device set: plain CPU tensors of one shape, none
+    boolean, added in replica order (the same adds). One pass of checks, no per-value
+    conversions: an empty step's reduce was mostly those. None for anything else, which
+    :func:`reduce_values` handles (with its messages)."""
     total = values[0]
-    if device is not _CPU or type(total) is not _Tensor or not total.is_cpu \
-            or total.dtype is _BOOL:
+    if _function_mode_depth() or type(total) is not _Tensor or not total.is_cpu \
+            or total.dtype is _BOOL:  # (a default device is a function mode: see above)
         return None
     shape = total.shape
     for t in values[1:]:  # each checked, then added: an add has no side effect to undo

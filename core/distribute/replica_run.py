@@ -45,6 +45,9 @@ _any_autocast_enabled = torch_internals.any_autocast_enabled
 _InferenceMode = torch_internals.InferenceMode
 _set_grad_enabled = torch_internals.set_grad_enabled
 _get_num_threads = torch.get_num_threads
+_set_num_threads = torch.set_num_threads
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference = torch.is_inference_mode_enabled
 # what a replica's body is timed by, for ExecutionPolicy (tests give replicas exact work)
 _clock = time.perf_counter
 
@@ -69,7 +72,7 @@ class _ThreadState:
 
     @staticmethod
     def capture() -> "_ThreadState":
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        grad, inference = _is_grad_enabled(), _is_inference()
         if not _any_autocast_enabled():  # the common case, in one cheap call
             return _PLAIN_STATES[grad, inference]
         autocast = []
@@ -165,6 +168,7 @@ class ReplicaRun:
     arrivals: dict[int, tuple] | None = None  # made by the first rendezvous
     sync_results: dict[int, Any] | None = None
     merging: int | None = None  # the thread running a merge, if any
+    thread_state: "_ThreadState | None" = None  # the caller's modes, for workers (2+)
     _cond: threading.Condition | None = None
     _collectives = None
 
@@ -188,7 +192,9 @@ class ReplicaRun:
         # Captured now: a replica may reach a rendezvous inside no_grad, and the workers
         # started then must still see the caller's settings of when run began. One
         # replica never leaves the caller's thread.
-        self.thread_state = _ThreadState.capture() if num_replicas > 1 else None
+        if num_replicas > 1:  # (capture's usual case inline: every run of 2+ asks)
+            self.thread_state = _PLAIN_STATES[_is_grad_enabled(), _is_inference()] \
+                if not _any_autocast_enabled() else _ThreadState.capture()
 
     @property
     def cond(self) -> threading.Condition:
@@ -324,7 +330,7 @@ class ReplicaRun:
         if threads:
             threads = threads[replica_id] or caller_threads
             if threads and _get_num_threads() != threads:
-                torch.set_num_threads(threads)
+                _set_num_threads(threads)
         if random is not None and random[replica_id] is not None:
             body = _with_mode(random[replica_id], body)
         begin = _clock()

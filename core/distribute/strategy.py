@@ -208,14 +208,14 @@ class Strategy:
         """
         require_cross_replica_or_default(self, "reduce")
         op = ReduceOp.resolve(reduce_op)
-        device = current_device()
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
             values = value._values
             if axis is None:
-                total = reduce_on_cpu(op, values, device)
+                total = reduce_on_cpu(op, values)  # (onto the CPU: asks no device)
                 if total is not None:
                     return total
-            return reduce_values(op, values, axis, destination(values, device))
+            return reduce_values(op, values, axis, destination(values, current_device()))
+        device = current_device()
         return map_structure(lambda v: self._reduce_leaf(op, v, axis, device), value) \
             if isinstance(value, (tuple, list, dict)) else \
             self._reduce_leaf(op, value, axis, device)
