@@ -56,6 +56,7 @@ copies that a replica wrote are combined by the buffer's :class:`VariableAggrega
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import warnings
 import weakref
@@ -664,7 +665,7 @@ class ParameterStore:
     def begin_run(self, reads: bool = True) -> list["ReplicaServing"]:
         """Each replica's serving for a new run; ``reads=False``: a run that only
         backpropagates earlier outputs (nothing is served ahead of it)."""
-        if _eager_serve is None and torch_internals.compiler_in_use():
+        if _eager_serve is None and torch_internals.COMPILER in sys.modules:  # (in use)
             _prepare_for_compile()
         if self._pending:
             self.place_pending()

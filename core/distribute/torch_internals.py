@@ -36,7 +36,7 @@ __all__ = [
     "route_hook_registration",
     "restore_hook_registration", "current_backward_id", "queue_backward_callback",
     "foreach_add_", "pytree_leaves", "pytree_node", "pytree_flatten", "pytree_unflatten",
-    "compiler_in_use", "dynamo_tracing", "compiler_inlines_modules",
+    "COMPILER", "compiler_in_use", "dynamo_tracing", "compiler_inlines_modules",
     "compiled_function_original", "COMPILED_REPLICAS_SINCE", "compiles_in_replicas",
     "is_batch_norm",
     "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
@@ -275,13 +275,17 @@ pytree_flatten: Callable = _pytree.tree_flatten
 pytree_unflatten: Callable = _pytree.tree_unflatten
 
 
+# torch's compiler, as sys.modules names it once loaded (see compiler_in_use)
+COMPILER = "torch._dynamo"
+
+
 def compiler_in_use() -> bool:
     """Whether torch's compiler (torch._dynamo) is loaded: ``torch.compile`` loads it
     (so does torch.optim's first optimizer). csrun wraps its compiled-read fallback in
     ``torch.compiler.disable`` only then: importing the compiler costs ~1.7 s and sets
     process-wide state (an environment variable, warning filters), which importing csrun
-    must not take."""
-    return "torch._dynamo" in sys.modules
+    must not take. (Every run asks: its hot path reads ``COMPILER in sys.modules``.)"""
+    return COMPILER in sys.modules
 
 
 def dynamo_tracing() -> bool:
