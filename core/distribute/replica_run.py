@@ -155,6 +155,7 @@ class ReplicaRun:
         around its body.
       team: the OpenMP team that concurrent replicas run as (None, or an ordered run:
         worker threads).
+      call: what ``body`` calls (it reads ``run.call``), dropped with the body.
     """
 
     # Rendezvous state starts as these class-level defaults and becomes the run's own only
@@ -176,8 +177,10 @@ class ReplicaRun:
                  body: Callable[["ReplicaRun", int], Any], executor: "ReplicaExecutor",
                  threads: list | None = None, servings: Sequence = (),
                  make_collectives: Callable[["ReplicaRun"], Any] | None = None,
-                 random: list | None = None, team: OpenMPTeam | None = None):
+                 random: list | None = None, team: OpenMPTeam | None = None,
+                 call: tuple | None = None):
         self.num_replicas = num_replicas
+        self.call = call
         self.concurrent = concurrent and num_replicas > 1
         self.threads = threads
         self.body = body
@@ -219,12 +222,12 @@ class ReplicaRun:
         return collectives
 
     def release(self) -> None:
-        """Drop the body and collectives once the run is over: the collectives point back
-        at the run (breaking that cycle now spares the garbage collector), and the body
-        holds the step's arguments, which a replica context kept past its run must not
-        keep alive. That context gets a clear error, not a finished rendezvous (which
+        """Drop the body, call and collectives once the run is over: the collectives point
+        back at the run (breaking that cycle now spares the garbage collector), and the
+        call holds the step's arguments, which a replica context kept past its run must
+        not keep alive. That context gets a clear error, not a finished rendezvous (which
         would wait forever)."""
-        self.body = None
+        self.body = self.call = None
         self._collectives = None
         self.make_collectives = _run_has_returned
 

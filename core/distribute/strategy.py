@@ -426,6 +426,7 @@ class ParameterServerStrategyExtended:
         self._store.bytes_per_pack = self.options.bytes_per_pack
         serve_while(container, self._store)
         self._executor = ReplicaExecutor(f"csrun-{id(self):x}")
+        self._body = self._replica_body  # every run's body, bound once
         self._executor.close_with(container)
         self._policy = ExecutionPolicy(compute, self.options.execution)
         self._streams = None
@@ -605,18 +606,19 @@ class ParameterServerStrategyExtended:
         servings = store.begin_run(reads)
         fn = eager_if_uncompilable(fn)  # (where this torch cannot compile in replicas)
         streams = self._replica_streams() if self._has_gpu else None
-        body = self._replica_body(fn, replica_args, replica_kwargs, streams)
+        body = self._body  # (one bound method: a closure made per run cost more)
         timing = self._balancer.begin_run(streams) if self._balanced else None
         if timing is not None:
             body = timing.wrap(body)
+        call = (fn, replica_args, replica_kwargs, streams)
         if policy.fixed:  # one replica, or devices of their own: nothing to decide
             run = ReplicaRun(count, policy.concurrent, body, self._executor, None, servings,
-                             self._collectives_for)
+                             self._collectives_for, call=call)
             snapshot = None
         else:
             concurrent, threads, random, team, snapshot = policy.start()
             run = ReplicaRun(count, concurrent, body, self._executor, threads,
-                             servings, self._collectives_for, random, team)
+                             servings, self._collectives_for, random, team, call)
         if streams is not None:
             self._start_streams(streams)
         self._current_run = run
@@ -644,28 +646,25 @@ class ParameterServerStrategyExtended:
                            self._collective_device, self._streams,
                            self._balancer.active)
 
-    def _replica_body(self, fn: Callable, replica_args: list, replica_kwargs: list | None,
-                      streams: list | None) -> Callable:
-        """``body(run, replica_id)``: one replica's call of ``fn`` in its replica context."""
-        strategy, offset = self._container, self._replica_offset
-
-        def body(run: ReplicaRun, replica_id: int) -> Any:
-            a = replica_args[replica_id]
-            k = replica_kwargs[replica_id] if replica_kwargs is not None else None
-            try:
-                if streams is not None and streams[replica_id] is not None:
-                    device = self._compute[replica_id].torch_device
-                    with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
-                        return call_as_replica(strategy, offset + replica_id, replica_id,
-                                               run, run.servings[replica_id], fn, a, k)
-                return call_as_replica(strategy, offset + replica_id, replica_id, run,
-                                       run.servings[replica_id], fn, a, k)
-            except ReplicaAborted:
-                raise
-            except BaseException as exc:
-                _note_replica(exc, replica_id, self._compute[replica_id])
-                raise
-        return body
+    def _replica_body(self, run: ReplicaRun, replica_id: int) -> Any:
+        """One replica's call of the run's function (``run.call``: the function, each
+        replica's args and kwargs, and its CUDA streams) in its replica context."""
+        fn, replica_args, replica_kwargs, streams = run.call
+        a = replica_args[replica_id]
+        k = replica_kwargs[replica_id] if replica_kwargs is not None else None
+        try:
+            if streams is not None and streams[replica_id] is not None:
+                device = self._compute[replica_id].torch_device
+                with torch.cuda.device(device), torch.cuda.stream(streams[replica_id]):
+                    return call_as_replica(self._container, self._replica_offset + replica_id,
+                                           replica_id, run, run.servings[replica_id], fn, a, k)
+            return call_as_replica(self._container, self._replica_offset + replica_id,
+                                   replica_id, run, run.servings[replica_id], fn, a, k)
+        except ReplicaAborted:
+            raise
+        except BaseException as exc:
+            _note_replica(exc, replica_id, self._compute[replica_id])
+            raise
 
     def _replica_streams(self) -> list | None:
         if not self._has_gpu:
