@@ -626,7 +626,10 @@ class ExecutionPolicy:
         steady = self._steady
         if steady:  # what the calls below give in that state, without them
             self._seed.reset()
-            threads = self.threads()
+            split = self._split  # threads()'s cache, without its call (made only where
+            # threads() gives a split, which it then gives for good)
+            threads = split[1] if split is not None and split[0] == _get_num_threads() \
+                else self.threads()
             if steady is _STEADY_ORDERED:
                 return False, threads, None, None, _SINCE_LAST
             team = None  # concurrent: team() without its checks, made when steady

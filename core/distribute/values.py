@@ -238,7 +238,14 @@ def _regroup_leaf(values: Sequence[Any], collapse_identical: bool) -> Any:
             raise _structure_error([i for i, o in enumerate(values) if o is v][0], first, v)
         if v is not first:
             same = False
-    return first if same else PerReplica(values)
+    if same:
+        return first
+    out = _new(PerReplica)  # PerReplica(values) without its __init__'s frame (every run)
+    out._values = tuple(values)
+    return out
+
+
+_new = object.__new__
 
 
 def local_results(value: Any, num_replicas: int) -> tuple:
