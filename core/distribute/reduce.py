@@ -26,8 +26,8 @@ import torch
 
 from . import torch_internals
 
-__all__ = ["ReduceOp", "reduce_values", "reduce_on_cpu", "gather_values", "as_tensor",
-           "current_device", "destination"]
+__all__ = ["ReduceOp", "SPELLINGS", "reduce_values", "reduce_on_cpu", "gather_values",
+           "as_tensor", "current_device", "destination"]
 
 _CPU = torch.device("cpu")
 _BOOL = torch.bool
@@ -86,7 +86,7 @@ class ReduceOp(enum.Enum):
     @classmethod
     def resolve(cls, op: Any) -> "ReduceOp":
         """Turn a ReduceOp or its name into a ReduceOp, with a clear error otherwise."""
-        known = _SPELLINGS.get(op) if isinstance(op, (str, ReduceOp)) else None
+        known = SPELLINGS.get(op) if isinstance(op, (str, ReduceOp)) else None
         if known is not None:  # one lookup: called on every reduce and all_reduce
             return known
         if isinstance(op, str):
@@ -99,7 +99,8 @@ class ReduceOp(enum.Enum):
                         f"{op!r}")
 
 
-_SPELLINGS = {name: op for op in ReduceOp for name in (op, op.value, op.value.lower())}
+# each op by itself and by its names: resolve's one lookup (reduce's inline, for a str)
+SPELLINGS = {name: op for op in ReduceOp for name in (op, op.value, op.value.lower())}
 
 
 def as_tensor(value: Any) -> torch.Tensor:

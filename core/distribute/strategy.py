@@ -28,8 +28,8 @@ from .input import (DistributedDataset, DistributedDatasetsFromFunction, Feeder,
                     InputOptions, TensorSliceDataset, ValueContext, place_values)
 from .buckets import DEFAULT_BYTES_PER_PACK
 from .parameters import ParameterStore, eager_if_uncompilable, serve_while
-from .reduce import (ReduceOp, as_tensor, current_device, destination, gather_values,
-                     reduce_on_cpu, reduce_values)
+from .reduce import (SPELLINGS, ReduceOp, as_tensor, current_device, destination,
+                     gather_values, reduce_on_cpu, reduce_values)
 from .replica_run import ExecutionPolicy, ReplicaAborted, ReplicaExecutor, ReplicaRun
 from .values import (DistributedValues, Mirrored, PerReplica, flatten, local_results,
                      map_structure, regroup, unstack)
@@ -207,7 +207,9 @@ class Strategy:
         does not wait for the GPU. Nests are reduced leaf by leaf.
         """
         require_cross_replica_or_default(self, "reduce")
-        op = ReduceOp.resolve(reduce_op)
+        op = SPELLINGS.get(reduce_op) if type(reduce_op) is str else None
+        if op is None:  # (a name known by one lookup, without resolve's call)
+            op = ReduceOp.resolve(reduce_op)
         if type(value) is PerReplica:  # run's output: the usual case, without the detours
             values = value._values
             if axis is None:
