@@ -739,7 +739,7 @@ class ParameterStore:
         next run's to serve ahead."""
         # untouched: nothing served or written, so nothing to check, combine or serve
         # ahead (and the servings are as good as new for the next run)
-        untouched = all(map(ReplicaServing.untouched, servings))  # (no comprehension frame)
+        untouched = ReplicaServing.untouched(servings)
         if not untouched:
             self._check_and_combine(servings, reads)
         elif reads:
@@ -1051,13 +1051,18 @@ class ReplicaServing:
             return served[1]
         return self._buffer(owner, name, value)
 
-    def untouched(self) -> bool:
-        """Whether this serving is still as :meth:`__init__` made it: its run served the
-        replica nothing and the replica wrote nothing (a run that reads no parameters
-        builds none: :meth:`ParameterStore.begin_run` takes it again)."""
-        return not (self.params or self.ready or self.buffers or self.overrides
-                    or self.combine or self.slow or self._stale or self._force
-                    or self._mirror is not None or self._buffers_mirror is not None)
+    @staticmethod
+    def untouched(servings: list["ReplicaServing"]) -> bool:
+        """Whether these servings are still as :meth:`__init__` made them: their run
+        served the replicas nothing and the replicas wrote nothing (a run that reads no
+        parameters builds none: :meth:`ParameterStore.begin_run` takes them again). One
+        frame for all: every run asks."""
+        for s in servings:
+            if (s.params or s.ready or s.buffers or s.overrides or s.combine or s.slow
+                    or s._stale or s._force or s._mirror is not None
+                    or s._buffers_mirror is not None):
+                return False
+        return True
 
     def served(self, key: int) -> tuple | None:
         """``(central, leaf)`` for the tracked tensor ``id`` ``key`` if this run has
