@@ -21,9 +21,9 @@ from .plan import Shard
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, Caller, Channel,
-                        ClusterMismatch, JobAborted,
-                        ParameterServerError, connect_store, decode, encode, flat_by_dtype,
-                        gloo_device, pack_state, store_host, unflatten_into, unpack_state)
+                        ClusterMismatch, JobAborted, ParameterServerError, by_dtype,
+                        connect_store, decode, encode, flat_by_dtype, gloo_device,
+                        pack_state, store_host, unflatten_into, unpack_state)
 
 __all__ = ["ParameterServerClient", "Push", "HandlerError"]
 
@@ -193,7 +193,7 @@ class ParameterServerClient:
         ``counted``: a training step's (not an evaluation's or a whole table's read)."""
         messages = {k: (LOOKUP, [encode({"shards": [[shard, len(ids)] for shard, ids in
                                                     wanted]}),
-                                 torch.cat([ids for _, ids in wanted])])
+                                 [ids for _, ids in wanted]])
                     for k, wanted in enumerate(requests) if wanted}
         replies = self.exchange(messages, counted)
         answers: list[list[torch.Tensor]] = []
@@ -211,8 +211,8 @@ class ParameterServerClient:
         """Write table rows: ``writes[k]`` lists (shard id, shard-local ids, rows)."""
         self.exchange({k: (ASSIGN, [encode({"shards": [[shard, len(ids)]
                                                       for shard, ids, _ in rows]}),
-                                    torch.cat([i for _, i, _ in rows])] +
-                           flat_by_dtype([r for _, _, r in rows]))
+                                    [i for _, i, _ in rows]] +
+                           by_dtype([r for _, _, r in rows]))
                        for k, rows in enumerate(writes) if rows})
 
     def push_pull(self, pushes: list[Push | None], settings: list[dict],
@@ -230,9 +230,9 @@ class ParameterServerClient:
             meta = {"dense": [i for i, _ in push.dense], "settings": settings,
                     "count": k == count_on, "optimizer": optimizer,
                     "rows": [[i, len(ids), mode] for i, ids, _, mode in push.rows]}
-            ids = torch.cat([ids for _, ids, _, _ in push.rows]) if push.rows else \
-                torch.empty(0, dtype=torch.int64)
-            messages[k] = (PUSH_PULL, [encode(meta), ids] + flat_by_dtype(
+            ids = [ids for _, ids, _, _ in push.rows] or [torch.empty(0, dtype=torch.int64)]
+            # the parts as they are: the channel copies each once, into the message
+            messages[k] = (PUSH_PULL, [encode(meta), ids] + by_dtype(
                 [g for _, g in push.dense] + [v for _, _, v, _ in push.rows]))
         replies = self.exchange(messages)
         with torch.no_grad():

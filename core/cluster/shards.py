@@ -14,6 +14,7 @@ gradient buffer per table that only the pushed rows are written into and cleared
 from __future__ import annotations
 
 import collections
+import math
 import pathlib
 import threading
 
@@ -168,9 +169,16 @@ class HeldShards:
 
     def lookup(self, meta: dict, ids: torch.Tensor) -> list[torch.Tensor]:
         """The rows ``ids`` (shard-local) of each requested shard, in request order."""
-        rows = [table.detach().index_select(0, wanted)
-                for table, wanted in self._requested(meta, ids)]
-        return flat_by_dtype(rows) if rows else []
+        requested = self._requested(meta, ids)
+        if len({table.dtype for table, _ in requested}) != 1:  # none, or mixed dtypes
+            return flat_by_dtype([t.detach().index_select(0, w) for t, w in requested])
+        # gathered straight into the reply (a worker asks for one dtype at a time)
+        sizes = [len(wanted) * math.prod(table.shape[1:]) for table, wanted in requested]
+        out = torch.empty(sum(sizes), dtype=requested[0][0].dtype)
+        for (table, wanted), into in zip(requested, out.split(sizes)):
+            torch.index_select(table.detach(), 0, wanted,
+                               out=into.view(len(wanted), *table.shape[1:]))
+        return [out]
 
     def assign(self, meta: dict, ids: torch.Tensor, flats: list[torch.Tensor]) -> None:
         """Write rows of tables (a worker's ``load_state_dict``)."""

@@ -308,9 +308,11 @@ def agree(store, name: str, task: str, value: dict) -> tuple[str, dict]:
 
 def poll_until(done: Callable[[], bool], deadline: float = float("inf"),
                poll: float = 0.05, stop: threading.Event | None = None,
-               waiting_for: str = "") -> bool:
+               waiting_for: str = "", most: float | None = None) -> bool:
     """Call ``done`` every ``poll`` seconds until it is true (True) or the monotonic
-    ``deadline`` passes (False); once ``stop`` is set, raise :class:`Stopped`.
+    ``deadline`` passes (False); once ``stop`` is set, raise :class:`Stopped`. ``most``:
+    the interval grows by half at each check, up to ``most`` seconds (a wait of hours
+    that asks the store each time: an idle ps's polls cost 2.6% of a core at 20 ms).
 
     Polling, not ``TCPStore.wait``: a wait cannot also watch for an abort or do work
     between checks, logs C++ warnings when it times out, and its timeout is a
@@ -322,6 +324,8 @@ def poll_until(done: Callable[[], bool], deadline: float = float("inf"),
         if time.monotonic() > deadline:
             return False
         time.sleep(poll)
+        if most is not None:
+            poll = min(most, poll * 1.5)
     return True
 
 
@@ -384,8 +388,27 @@ def gloo_device(store_host: str):
     return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
+PACK_BYTES = 16 << 20  # a message of several parts this small or smaller travels packed
+_PACKED = 1 << 32        # the header's count flag: the parts follow as one packed buffer
+_ALIGN = 8               # each packed part starts on a multiple of it (a dtype's view)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 class Channel:
-    """One worker incarnation <-> one ps: a two-rank gloo group (rank 0 is the ps)."""
+    """One worker incarnation <-> one ps: a two-rank gloo group (rank 0 is the ps).
+
+    A message is a header (op, and each part's dtype and size) and its parts, flat. A
+    part is a tensor or a list of tensors of one dtype (received as one flat tensor, as
+    ``torch.cat`` would make it). Parts of a message up to :data:`PACK_BYTES` travel
+    as one buffer (each gloo send and receive costs a round of the transport's loop
+    on both sides: a training step's messages are small and hold 2 to 4 parts), larger
+    ones one tensor each (a table's registration is not copied whole). Either way
+    every byte is copied at most once on the way (a list part into its place), and the
+    receiver's parts are views into what it received.
+    """
 
     def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta,
                  device=None):
@@ -393,17 +416,23 @@ class Channel:
         self._peer = 1 - rank
         self._lock = threading.Lock()
         self.sent_bytes = self.received_bytes = 0  # payloads, headers included
+        self.sent_messages = self.received_messages = 0  # gloo sends, receives
 
-    def send(self, op: int, payload: list[torch.Tensor]) -> None:
+    def send(self, op: int, payload: list) -> None:
         if len(payload) > MAX_PAYLOAD:
             raise ValueError("too many payload tensors for one message")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = op, len(payload)
-        for i, tensor in enumerate(payload):
-            header[2 + 2 * i] = _CODE[tensor.dtype]
-            header[3 + 2 * i] = tensor.numel()
-        flat = [tensor.contiguous().view(-1) for tensor in payload]
+        parts = [[p] if isinstance(p, torch.Tensor) else p for p in payload]
+        dtypes = [part[0].dtype if part else torch.uint8 for part in parts]
+        sizes = [sum(t.numel() for t in part) for part in parts]
+        nbytes = [n * d.itemsize for n, d in zip(sizes, dtypes)]
+        packed = len(parts) > 1 and sum(map(_aligned, nbytes)) <= PACK_BYTES
+        header = [op, len(parts) | (_PACKED if packed else 0)]
+        for dtype, size in zip(dtypes, sizes):
+            header += [_CODE[dtype], size]
+        header = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64)
+        flat = [_packed(parts, nbytes)] if packed else [_joined(part) for part in parts]
         self.sent_bytes += _HEADER * 8 + sum(t.numel() * t.element_size() for t in flat)
+        self.sent_messages += 1 + len(flat)
         with self._lock:  # all posted, then waited for: one wait, not one per tensor
             works = [self._pg.send([header], self._peer, 0)] + [
                 self._pg.send([tensor], self._peer, 1 + i) for i, tensor in enumerate(flat)]
@@ -411,19 +440,54 @@ class Channel:
                 work.wait()
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = torch.empty(_HEADER, dtype=torch.int64)
         with self._lock:
             self._pg.recv([header], self._peer, 0).wait()
-            op, count = int(header[0]), int(header[1])
-            payload = [torch.empty(int(header[3 + 2 * i]), dtype=_DTYPES[int(header[2 + 2 * i])])
-                       for i in range(count)]
+            fields = header.tolist()
+            op, count, packed = fields[0], fields[1] & (_PACKED - 1), fields[1] & _PACKED
+            kinds = [(_DTYPES[fields[2 + 2 * i]], fields[3 + 2 * i]) for i in range(count)]
+            nbytes = [size * dtype.itemsize for dtype, size in kinds]
+            if packed:
+                flat = [torch.empty(sum(map(_aligned, nbytes)), dtype=torch.uint8)]
+            else:
+                flat = [torch.empty(size, dtype=dtype) for dtype, size in kinds]
             works = [self._pg.recv([tensor], self._peer, 1 + i)
-                     for i, tensor in enumerate(payload)]
+                     for i, tensor in enumerate(flat)]
             for work in works:
                 work.wait()
-        self.received_bytes += _HEADER * 8 + sum(t.numel() * t.element_size()
-                                                 for t in payload)
-        return op, payload
+        self.received_bytes += _HEADER * 8 + sum(t.numel() * t.element_size() for t in flat)
+        self.received_messages += 1 + len(flat)
+        return op, _unpacked(flat[0], kinds, nbytes) if packed else flat
+
+
+def _joined(part: list[torch.Tensor]) -> torch.Tensor:
+    """A part as one flat tensor: a lone tensor as it is (no copy)."""
+    if len(part) == 1:
+        return part[0].detach().contiguous().view(-1)
+    return torch.cat([t.detach().reshape(-1) for t in part])
+
+
+def _packed(parts: list[list[torch.Tensor]], nbytes: list[int]) -> torch.Tensor:
+    """Every part in one buffer, each from an aligned offset (one copy of each tensor)."""
+    buffer = torch.empty(sum(map(_aligned, nbytes)), dtype=torch.uint8)
+    offset = 0
+    for part, size in zip(parts, nbytes):
+        at = offset
+        for tensor in part:
+            n = tensor.numel() * tensor.element_size()
+            buffer[at:at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            at += n
+        offset += _aligned(size)
+    return buffer
+
+
+def _unpacked(buffer: torch.Tensor, kinds: list, nbytes: list[int]) -> list[torch.Tensor]:
+    """The parts of a packed buffer, as views into it."""
+    parts, offset = [], 0
+    for (dtype, _), size in zip(kinds, nbytes):
+        parts.append(buffer[offset:offset + size].view(dtype))
+        offset += _aligned(size)
+    return parts
 
 
 def transport_error(exc: BaseException) -> str:
@@ -436,12 +500,18 @@ def transport_error(exc: BaseException) -> str:
     return text.split(". This is typically")[0][:200]
 
 
-# -- flat packing: one tensor per dtype on the wire --------------------------------------
-def flat_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+# -- flat packing: one part per dtype on the wire ----------------------------------------
+def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype, in order: the parts of a message
+    (:meth:`Channel.send` joins each group into one flat tensor on the wire)."""
     groups: dict = {}
     for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor.detach().reshape(-1))
-    return [torch.cat(group) for group in groups.values()]
+        groups.setdefault(tensor.dtype, []).append(tensor.detach())
+    return list(groups.values())
+
+
+def flat_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [_joined(group) for group in by_dtype(tensors)]
 
 
 def views_like(targets: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
