@@ -38,7 +38,7 @@ from .resolvers import ClusterResolver
 from . import store_keys
 
 __all__ = ["ParameterServerError", "ClusterMismatch", "DuplicateTask", "JobAborted",
-           "StoppedAnswering", "Stopped"]
+           "JobFinished", "StoppedAnswering", "Stopped"]
 
 (REGISTER, OPTIMIZER, PUSH_PULL, PULL, STATE, LOAD, BYE, ABORTED, REFUSED, LOOKUP,
  ASSIGN, SAVE, RESTORE) = range(1, 14)
@@ -89,6 +89,11 @@ class StoppedAnswering(ParameterServerError):
 class JobAborted(ParameterServerError):
     """The chief ended the job after a failure (its reason is the message): the tasks
     that took part end with it."""
+
+
+class JobFinished(ParameterServerError):
+    """The chief ended the job normally before this task joined: there is nothing left
+    to take part in (the ps tasks no longer make channels)."""
 
 
 class Stopped(Exception):
@@ -183,8 +188,9 @@ class Caller:
         """The result of a :meth:`submit` ted call (its exception raised here), within
         ``timeout`` seconds or until ``stop`` is set. ``ended``: asked every
         :data:`_ENDED_EVERY` seconds whether the job was ended meanwhile (its reason
-        raised as :class:`JobAborted`): a peer that stopped after the failure never
-        answers, and the task must not outwait the store that holds the reason."""
+        raised as :class:`JobAborted`; or it raises): a peer that stopped after the
+        failure never answers, and the task must not outwait the store that holds the
+        reason."""
         box, done = ticket
         deadline = time.monotonic() + timeout
         asked = time.monotonic()
@@ -193,7 +199,11 @@ class Caller:
                 self._give_up(what)
                 raise Stopped(what)
             if ended is not None and time.monotonic() - asked >= _ENDED_EVERY:
-                asked, reason = time.monotonic(), ended()
+                try:
+                    asked, reason = time.monotonic(), ended()
+                except BaseException:  # the job finished, a signal (Stopped), ...
+                    self._give_up(what)
+                    raise
                 if reason is not None:
                     self._give_up(what)
                     raise JobAborted(reason)
@@ -219,13 +229,24 @@ class BoundedStore:
     """The job's TCPStore with every call bounded by ``timeout`` (see :class:`Caller`);
     ``raw`` is the store itself (for process groups, whose own timeout bounds them).
 
-    ``fail(exc)`` turns a call's RuntimeError (a dead store) into the error to raise."""
+    ``fail(exc)`` turns a call's RuntimeError (a dead store) into the error to raise.
+    ``stop``: once set (a signal), a call that has not answered within a slice gives up
+    with :class:`Stopped` (:meth:`hearing` makes such a view of a store that has none:
+    a first signal must not wait ``timeout`` on a frozen store, nor must the calls of a
+    task that stops cleanly give up)."""
 
     def __init__(self, raw: dist.TCPStore, timeout: float, what: str,
-                 fail: Callable[[BaseException], BaseException] | None = None):
+                 fail: Callable[[BaseException], BaseException] | None = None,
+                 stop: threading.Event | None = None, caller: Caller | None = None):
         self.raw, self._timeout, self._what = raw, timeout, what
-        self._fail = fail
-        self._caller = Caller()
+        self._fail, self._stop = fail, stop
+        self._caller = caller or Caller()
+
+    def hearing(self, stop: threading.Event | None) -> "BoundedStore":
+        """This store, its calls given up once ``stop`` is set (same connection, same
+        thread: one call at a time)."""
+        return BoundedStore(self.raw, self._timeout, self._what, self._fail, stop,
+                            self._caller)
 
     def __getattr__(self, name: str) -> Callable:
         method = getattr(self.raw, name)
@@ -233,7 +254,7 @@ class BoundedStore:
         def call(*args, **kwargs):
             try:
                 return self._caller.call(lambda: method(*args, **kwargs), self._timeout,
-                                         self._what)
+                                         self._what, self._stop)
             except ParameterServerError:
                 raise
             except RuntimeError as exc:
