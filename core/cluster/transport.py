@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import io
 import json
+import math
 import os
 import queue
 import re
@@ -409,13 +410,32 @@ def gloo_device(store_host: str):
     return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
-PACK_BYTES = 16 << 20  # a message of several parts this small or smaller travels packed
-_PACKED = 1 << 32        # the header's count flag: the parts follow as one packed buffer
-_ALIGN = 8               # each packed part starts on a multiple of it (a dtype's view)
+PACK_BYTES = 8 << 20  # a message this small or smaller travels as one gloo send
+_PACKED = 1 << 32      # the header's count flag: the parts follow it in the same buffer
+_ALIGN = 8             # each packed part starts on a multiple of it (a dtype's view)
+_HEADER_BYTES = _HEADER * 8
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class Gathered:
+    """A message part made of table rows, gathered (``index_select``) straight into the
+    message: ``pieces`` are (table, row ids) of one dtype, the rows flat in order."""
+
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.pieces = [(table.detach(), ids) for table, ids in pieces]
+        self.sizes = [len(ids) * math.prod(table.shape[1:]) for table, ids in pieces]
+        self.dtype = self.pieces[0][0].dtype
+
+    def into(self, flat: torch.Tensor) -> torch.Tensor:
+        for (table, ids), into in zip(self.pieces, flat.split(self.sizes)):
+            torch.index_select(table, 0, ids, out=into.view(len(ids), *table.shape[1:]))
+        return flat
+
+    def tensor(self) -> torch.Tensor:
+        return self.into(torch.empty(sum(self.sizes), dtype=self.dtype))
 
 
 class Channel:
@@ -423,12 +443,13 @@ class Channel:
 
     A message is a header (op, and each part's dtype and size) and its parts, flat. A
     part is a tensor or a list of tensors of one dtype (received as one flat tensor, as
-    ``torch.cat`` would make it). Parts of a message up to :data:`PACK_BYTES` travel
-    as one buffer (each gloo send and receive costs a round of the transport's loop
-    on both sides: a training step's messages are small and hold 2 to 4 parts), larger
-    ones one tensor each (a table's registration is not copied whole). Either way
-    every byte is copied at most once on the way (a list part into its place), and the
-    receiver's parts are views into what it received.
+    ``torch.cat`` would make it), or :class:`Gathered` rows. A message up to :data:`PACK_BYTES` travels as one
+    buffer, its header first, which the receiver takes into a buffer of that size: one
+    gloo send and receive, where a header and a tensor per part each waited for a round
+    of the transport's threads on both sides (a training step's messages are a few MiB
+    at most, of 2 to 4 parts). A larger message (a table's registration) is its header,
+    then one send per part, none of them copied. Either way every byte is copied at most
+    once on the way, and the receiver's parts are views into what it received.
     """
 
     def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta,
@@ -442,69 +463,83 @@ class Channel:
     def send(self, op: int, payload: list) -> None:
         if len(payload) > MAX_PAYLOAD:
             raise ValueError("too many payload tensors for one message")
-        parts = [[p] if isinstance(p, torch.Tensor) else p for p in payload]
+        parts = [[p] if isinstance(p, (torch.Tensor, Gathered)) else p for p in payload]
         dtypes = [part[0].dtype if part else torch.uint8 for part in parts]
-        sizes = [sum(t.numel() for t in part) for part in parts]
+        sizes = [sum(_numel(t) for t in part) for part in parts]
         nbytes = [n * d.itemsize for n, d in zip(sizes, dtypes)]
-        packed = len(parts) > 1 and sum(map(_aligned, nbytes)) <= PACK_BYTES
+        packed = sum(map(_aligned, nbytes)) <= PACK_BYTES
         header = [op, len(parts) | (_PACKED if packed else 0)]
         for dtype, size in zip(dtypes, sizes):
             header += [_CODE[dtype], size]
-        header = torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64)
-        flat = [_packed(parts, nbytes)] if packed else [_joined(part) for part in parts]
-        self.sent_bytes += _HEADER * 8 + sum(t.numel() * t.element_size() for t in flat)
-        self.sent_messages += 1 + len(flat)
+        header += [0] * (_HEADER - len(header))
+        flat = [_packed(header, parts, nbytes)] if packed else \
+            [torch.tensor(header, dtype=torch.int64)] + [_joined(part) for part in parts]
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in flat)
+        self.sent_messages += len(flat)
         with self._lock:  # all posted, then waited for: one wait, not one per tensor
-            works = [self._pg.send([header], self._peer, 0)] + [
-                self._pg.send([tensor], self._peer, 1 + i) for i, tensor in enumerate(flat)]
+            works = [self._pg.send([tensor], self._peer, i) for i, tensor in enumerate(flat)]
             for work in works:
                 work.wait()
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        buffer = torch.empty(_HEADER_BYTES + PACK_BYTES, dtype=torch.uint8)
         with self._lock:
-            self._pg.recv([header], self._peer, 0).wait()
-            fields = header.tolist()
+            self._pg.recv([buffer], self._peer, 0).wait()
+            fields = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
             op, count, packed = fields[0], fields[1] & (_PACKED - 1), fields[1] & _PACKED
             kinds = [(_DTYPES[fields[2 + 2 * i]], fields[3 + 2 * i]) for i in range(count)]
             nbytes = [size * dtype.itemsize for dtype, size in kinds]
             if packed:
-                flat = [torch.empty(sum(map(_aligned, nbytes)), dtype=torch.uint8)]
+                payload = _unpacked(buffer, kinds, nbytes)
             else:
-                flat = [torch.empty(size, dtype=dtype) for dtype, size in kinds]
-            works = [self._pg.recv([tensor], self._peer, 1 + i)
-                     for i, tensor in enumerate(flat)]
-            for work in works:
-                work.wait()
-        self.received_bytes += _HEADER * 8 + sum(t.numel() * t.element_size() for t in flat)
-        self.received_messages += 1 + len(flat)
-        return op, _unpacked(flat[0], kinds, nbytes) if packed else flat
+                payload = [torch.empty(size, dtype=dtype) for dtype, size in kinds]
+                works = [self._pg.recv([tensor], self._peer, 1 + i)
+                         for i, tensor in enumerate(payload)]
+                for work in works:
+                    work.wait()
+        self.received_bytes += _HEADER_BYTES + (sum(map(_aligned, nbytes)) if packed
+                                                else sum(nbytes))
+        self.received_messages += 1 if packed else 1 + count
+        return op, payload
 
 
-def _joined(part: list[torch.Tensor]) -> torch.Tensor:
+def _numel(tensor: torch.Tensor | Gathered) -> int:
+    return sum(tensor.sizes) if isinstance(tensor, Gathered) else tensor.numel()
+
+
+def _joined(part: list) -> torch.Tensor:
     """A part as one flat tensor: a lone tensor as it is (no copy)."""
+    if len(part) == 1 and isinstance(part[0], Gathered):
+        return part[0].tensor()
     if len(part) == 1:
         return part[0].detach().contiguous().view(-1)
-    return torch.cat([t.detach().reshape(-1) for t in part])
+    return torch.cat([t.tensor() if isinstance(t, Gathered) else t.detach().reshape(-1)
+                      for t in part])
 
 
-def _packed(parts: list[list[torch.Tensor]], nbytes: list[int]) -> torch.Tensor:
-    """Every part in one buffer, each from an aligned offset (one copy of each tensor)."""
-    buffer = torch.empty(sum(map(_aligned, nbytes)), dtype=torch.uint8)
-    offset = 0
+def _packed(header: list[int], parts: list[list[torch.Tensor]],
+            nbytes: list[int]) -> torch.Tensor:
+    """The header and every part in one buffer, each part from an aligned offset (one
+    copy of each tensor)."""
+    buffer = torch.empty(_HEADER_BYTES + sum(map(_aligned, nbytes)), dtype=torch.uint8)
+    buffer[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    offset = _HEADER_BYTES
     for part, size in zip(parts, nbytes):
         at = offset
         for tensor in part:
-            n = tensor.numel() * tensor.element_size()
-            buffer[at:at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            n = _numel(tensor) * tensor.dtype.itemsize
+            if isinstance(tensor, Gathered):
+                tensor.into(buffer[at:at + n].view(tensor.dtype))
+            else:
+                buffer[at:at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             at += n
         offset += _aligned(size)
     return buffer
 
 
 def _unpacked(buffer: torch.Tensor, kinds: list, nbytes: list[int]) -> list[torch.Tensor]:
-    """The parts of a packed buffer, as views into it."""
-    parts, offset = [], 0
+    """The parts of a packed message, as views into the buffer it was received in."""
+    parts, offset = [], _HEADER_BYTES
     for (dtype, _), size in zip(kinds, nbytes):
         parts.append(buffer[offset:offset + size].view(dtype))
         offset += _aligned(size)
