@@ -487,8 +487,11 @@ class Channel:
             self._pg.recv([buffer], self._peer, 0).wait()
             fields = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
             op, count, packed = fields[0], fields[1] & (_PACKED - 1), fields[1] & _PACKED
-            kinds = [(_DTYPES[fields[2 + 2 * i]], fields[3 + 2 * i]) for i in range(count)]
+            kinds = _kinds(fields, count)
             nbytes = [size * dtype.itemsize for dtype, size in kinds]
+            if packed and sum(map(_aligned, nbytes)) > PACK_BYTES:
+                raise RuntimeError(f"a malformed message: its header claims "
+                                   f"{sum(nbytes)} bytes packed in at most {PACK_BYTES}")
             if packed:
                 payload = _unpacked(buffer, kinds, nbytes)
             else:
@@ -501,6 +504,16 @@ class Channel:
                                                 else sum(nbytes))
         self.received_messages += 1 if packed else 1 + count
         return op, payload
+
+
+def _kinds(fields: list[int], count: int) -> list[tuple[torch.dtype, int]]:
+    """Each part's (dtype, size), as a header says, checked (RuntimeError: the peer is
+    not a csrun channel of this version, or the connection garbled it)."""
+    if not 0 <= count <= MAX_PAYLOAD or any(
+            not 0 <= fields[2 + 2 * i] < len(_DTYPES) or fields[3 + 2 * i] < 0
+            for i in range(count)):
+        raise RuntimeError(f"a malformed message header: {fields[:2 + 2 * count]}")
+    return [(_DTYPES[fields[2 + 2 * i]], fields[3 + 2 * i]) for i in range(count)]
 
 
 def _numel(tensor: torch.Tensor | Gathered) -> int:

@@ -74,3 +74,22 @@ def test_a_message_larger_than_pack_bytes_goes_by_parts_uncopied(pair, monkeypat
     assert op == 2 and ps.sent_messages == worker.received_messages == 3  # header + 2
     assert torch.equal(parts[0], big) and torch.equal(parts[1], small)
     assert [name for name, _ in ops.touched if name in COPIES] == []
+
+
+def test_a_malformed_header_is_refused_before_anything_is_made(pair):
+    ps, worker = pair
+    header = torch.zeros(transport._HEADER, dtype=torch.int64)
+    header[0], header[1] = 2, (1 << 32) | 1  # packed, one part
+    header[2], header[3] = 0, 1 << 40  # float32, 4 TiB
+    got = {}
+
+    def receive():
+        try:
+            ps.recv()
+        except RuntimeError as exc:
+            got["error"] = str(exc)
+    thread = threading.Thread(target=receive)
+    thread.start()
+    worker._pg.send([header], 0, 0).wait()
+    thread.join(60)
+    assert got["error"].startswith("a malformed message: its header claims 4398046511104")
