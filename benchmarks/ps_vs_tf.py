@@ -723,7 +723,7 @@ def main(argv=None) -> int:
     add("--profile", metavar="DIR", help="cProfile files of csrun's worker0 (its measured "
         "steps) and ps0 (its serving)")
     add("--spy", metavar="DIR", help="py-spy samples of csrun's worker0 and every ps (py-spy "
-        "on PATH)")
+        "on PATH or in ~/.local/bin)")
     add("--task", choices=["csrun", "csrun-padded", "tf-server", "tf-chief"],
         help=argparse.SUPPRESS)
     add("--tables", type=ints, help=argparse.SUPPRESS)
