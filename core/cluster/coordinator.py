@@ -199,16 +199,15 @@ class JobCoordinator:
     def set_global_step(self, step: int) -> None:
         """A restored job whose checkpoint has no worker's steps (an earlier csrun's, by
         ps task): the global step it held."""
-        self.store.set(keys.GLOBAL_STEP, str(int(step) - self._summed()))
+        summed = sum(self.steps_done(task) or 0 for task in self.workers)
+        self.store.set(keys.GLOBAL_STEP, str(int(step) - summed))
 
     @property
     def global_step(self) -> int:
         """Pushes applied, every worker's together: the sum of their counts (one store
         add per push, where it is applied), plus what an old checkpoint held."""
-        return self.store.add(keys.GLOBAL_STEP, 0) + self._summed()
-
-    def _summed(self) -> int:
-        return sum(self.steps_done(task) or 0 for task in self.workers)
+        return self.store.add(keys.GLOBAL_STEP, 0) + sum(self.steps_done(task) or 0
+                                                         for task in self.workers)
 
     def publish_transfers(self, stats: dict) -> None:
         """Leave this worker's bytes moved where the chief reads them."""
