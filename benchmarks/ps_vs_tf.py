@@ -46,6 +46,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -534,12 +535,15 @@ def run_csrun(workers: int, ps: int, args, folder: Path, task: str = "csrun") ->
 
 
 def spy_on(procs: dict, folder: str, label: str) -> list:
-    """py-spy samples (every thread, 200 Hz) of worker0 and ps0 into ``folder``."""
+    """py-spy samples (every thread, 200 Hz; idle threads left out, so the samples are
+    CPU) of worker0 and every ps into ``folder``."""
+    spy = shutil.which("py-spy") or str(Path.home() / ".local/bin/py-spy")
     Path(folder).mkdir(parents=True, exist_ok=True)
-    return [subprocess.Popen(["py-spy", "record", "--format", "raw", "--threads", "--rate",
+    return [subprocess.Popen([spy, "record", "--format", "raw", "--threads", "--rate",
                               "200", "-o", str(Path(folder) / f"{label}-{name}.txt"), "-p",
                               str(procs[name].pid)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL) for name in ("worker0", "ps0")]
+                             stderr=subprocess.DEVNULL)
+            for name in procs if name == "worker0" or name.startswith("ps")]
 
 
 def run_tf(workers: int, ps: int, args, folder: Path) -> dict:
@@ -718,8 +722,8 @@ def main(argv=None) -> int:
     add("--json", metavar="PATH", help="write the figures as JSON")
     add("--profile", metavar="DIR", help="cProfile files of csrun's worker0 (its measured "
         "steps) and ps0 (its serving)")
-    add("--spy", metavar="DIR", help="py-spy samples of csrun's worker0 and ps0 (py-spy "
-        "on PATH)")
+    add("--spy", metavar="DIR", help="py-spy samples of csrun's worker0 and every ps (py-spy "
+        "on PATH or in ~/.local/bin)")
     add("--task", choices=["csrun", "csrun-padded", "tf-server", "tf-chief"],
         help=argparse.SUPPRESS)
     add("--tables", type=ints, help=argparse.SUPPRESS)

@@ -21,9 +21,9 @@ from .plan import Shard
 from .resolvers import ClusterResolver
 from .transport import (ABORTED, ASSIGN, BYE, LOAD, LOOKUP, MAX_PAYLOAD, OPTIMIZER, PULL,
                         PUSH_PULL, REFUSED, REGISTER, RESTORE, SAVE, STATE, Caller, Channel,
-                        ClusterMismatch, JobAborted,
-                        ParameterServerError, connect_store, decode, encode, flat_by_dtype,
-                        gloo_device, pack_state, store_host, unflatten_into, unpack_state)
+                        ClusterMismatch, JobAborted, ParameterServerError, by_dtype,
+                        connect_store, decode, encode, flat_by_dtype, gloo_device,
+                        pack_state, store_host, unflatten_into, unpack_state)
 
 __all__ = ["ParameterServerClient", "Push", "HandlerError"]
 
@@ -62,7 +62,8 @@ class ParameterServerClient:
         self.task, self.num_ps = coordinator.task, coordinator.num_ps
         self._coordinator = coordinator
         self._timeout, self._stop = timeout, stop
-        self._moved = [[0, 0] for _ in range(self.num_ps)]  # bytes sent, received per ps
+        # per ps: bytes sent, received; gloo messages (sends and receives)
+        self._moved = [[0, 0, 0] for _ in range(self.num_ps)]
         self.steps = 0  # optimizer steps this process pushed
         spec = resolver.cluster_spec()
         self._ps_names = [f"ps:{k} ({spec.task_address('ps', k)})" for k in range(self.num_ps)]
@@ -86,9 +87,10 @@ class ParameterServerClient:
         self._channels = []
         for k, ticket in enumerate(tickets):
             try:
-                # a ps that ended the job no longer makes channels: hear it from the store
+                # a ps that stopped (the job ended) no longer makes channels: hear it
+                # from the store, and a signal while the store does not answer
                 self._channels.append(self._callers[k].wait(
-                    ticket, timeout + 5, f"ps:{k}'s channel", stop, coordinator.ended_why))
+                    ticket, timeout + 5, f"ps:{k}'s channel", stop, coordinator.check_open))
             except ParameterServerError:
                 raise
             except RuntimeError as exc:  # gloo's, as the job ends: never raw
@@ -129,11 +131,13 @@ class ParameterServerClient:
 
         def exchange() -> tuple[int, list[torch.Tensor]]:
             sent, received = channel.sent_bytes, channel.received_bytes
+            messages = channel.sent_messages + channel.received_messages
             channel.send(op, payload)
             answer = channel.recv()
             if count:  # one exchange at a time per ps: its caller's thread
                 moved[0] += channel.sent_bytes - sent
                 moved[1] += channel.received_bytes - received
+                moved[2] += channel.sent_messages + channel.received_messages - messages
             return answer
         return exchange
 
@@ -193,7 +197,7 @@ class ParameterServerClient:
         ``counted``: a training step's (not an evaluation's or a whole table's read)."""
         messages = {k: (LOOKUP, [encode({"shards": [[shard, len(ids)] for shard, ids in
                                                     wanted]}),
-                                 torch.cat([ids for _, ids in wanted])])
+                                 [ids for _, ids in wanted]])
                     for k, wanted in enumerate(requests) if wanted}
         replies = self.exchange(messages, counted)
         answers: list[list[torch.Tensor]] = []
@@ -211,8 +215,8 @@ class ParameterServerClient:
         """Write table rows: ``writes[k]`` lists (shard id, shard-local ids, rows)."""
         self.exchange({k: (ASSIGN, [encode({"shards": [[shard, len(ids)]
                                                       for shard, ids, _ in rows]}),
-                                    torch.cat([i for _, i, _ in rows])] +
-                           flat_by_dtype([r for _, _, r in rows]))
+                                    [i for _, i, _ in rows]] +
+                           by_dtype([r for _, _, r in rows]))
                        for k, rows in enumerate(writes) if rows})
 
     def push_pull(self, pushes: list[Push | None], settings: list[dict],
@@ -230,9 +234,9 @@ class ParameterServerClient:
             meta = {"dense": [i for i, _ in push.dense], "settings": settings,
                     "count": k == count_on, "optimizer": optimizer,
                     "rows": [[i, len(ids), mode] for i, ids, _, mode in push.rows]}
-            ids = torch.cat([ids for _, ids, _, _ in push.rows]) if push.rows else \
-                torch.empty(0, dtype=torch.int64)
-            messages[k] = (PUSH_PULL, [encode(meta), ids] + flat_by_dtype(
+            ids = [ids for _, ids, _, _ in push.rows] or [torch.empty(0, dtype=torch.int64)]
+            # the parts as they are: the channel copies each once, into the message
+            messages[k] = (PUSH_PULL, [encode(meta), ids] + by_dtype(
                 [g for _, g in push.dense] + [v for _, _, v, _ in push.rows]))
         replies = self.exchange(messages)
         with torch.no_grad():
@@ -271,12 +275,14 @@ class ParameterServerClient:
     # -- what moved ------------------------------------------------------------------------
     def transfer_stats(self) -> dict:
         """What this process moved to and from the ps tasks for its steps (lookups and
-        pushes; headers included), in all and per step."""
+        pushes; headers included), in all and per step; ``messages_per_step``: the
+        transport's sends and receives a step costs, every ps's together."""
         pushed = sum(m[0] for m in self._moved)
         pulled = sum(m[1] for m in self._moved)
         per = max(1, self.steps)
         return {"steps": self.steps, "pushed_bytes": pushed, "pulled_bytes": pulled,
-                "pushed_bytes_per_step": pushed / per, "pulled_bytes_per_step": pulled / per}
+                "pushed_bytes_per_step": pushed / per, "pulled_bytes_per_step": pulled / per,
+                "messages_per_step": sum(m[2] for m in self._moved) / per}
 
     def finish(self) -> None:
         """Say goodbye to every ps (this worker is done)."""

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from . import store_keys as keys
 from .heartbeat import ChiefWatch, Heartbeat
 from .resolvers import ClusterResolver
-from .transport import (BoundedStore, DuplicateTask, JobAborted, ParameterServerError,
-                        Stopped, StoppedAnswering, agree, connect_store, poll_until,
+from .transport import (BoundedStore, DuplicateTask, JobAborted, JobFinished,
+                        ParameterServerError, Stopped, StoppedAnswering, agree, connect_store, poll_until,
                         transport_error)
 
 __all__ = ["JobCoordinator", "ServerBooks", "CLAIM_GRACE_S", "ENDED_BY_CHIEF",
@@ -142,10 +142,8 @@ class JobCoordinator:
         deadline = time.monotonic() + self.timeout
 
         def ready(k: int) -> bool:  # a task that starts after the chief (or a ps) ended
-            ended = read_abort(self.store, self._heard)  # the job ends with its reason,
-            if ended is not None:  # instead of asking for channels the ps no longer make
-                raise JobAborted(ended)
-            return self._set(keys.ps_ready(k))
+            self.check_open()  # the job ends with its reason, instead of asking for
+            return self._set(keys.ps_ready(k))  # channels the ps no longer make
         for k in range(self.num_ps):
             if not poll_until(lambda k=k: ready(k), deadline, stop=self.stop,
                               waiting_for=f"ps:{k}"):
@@ -154,6 +152,25 @@ class JobCoordinator:
         for k in range(self.num_ps):
             slot = self.store.add(keys.ps_joins(k), 1)
             self.store.set(keys.ps_join(k, slot), self.name)
+
+    def check_open(self) -> None:
+        """Whether the job still takes workers, asked while this one joins: raises
+        :class:`JobAborted` (the job was ended after a failure: its reason) or
+        :class:`JobFinished` (the chief ended it normally). Every store
+        call hears this task's ``stop`` (a first signal, on a frozen store, is not held
+        up to ``strategy.timeout_s``: :class:`Stopped`)."""
+        store = self.store.hearing(self.stop)
+        ended = read_abort(store, self._heard)
+        if ended is None and store.check([keys.DONE]):
+            # an abort records its reason before DONE: one that came in between shows now
+            ended = read_abort(store, self._heard)
+            if ended is None:
+                raise JobFinished(f"the job already finished: the chief ended it "
+                                  f"normally before {self.task} joined, so there is "
+                                  f"nothing left for {self.task} to take part in; start "
+                                  "a new job to train again")
+        if ended is not None:
+            raise JobAborted(ended)
 
     def agree(self, name: str, value: dict) -> tuple[str, dict]:
         """Publish what every task must agree on (:func:`~.transport.agree`)."""
@@ -182,16 +199,15 @@ class JobCoordinator:
     def set_global_step(self, step: int) -> None:
         """A restored job whose checkpoint has no worker's steps (an earlier csrun's, by
         ps task): the global step it held."""
-        self.store.set(keys.GLOBAL_STEP, str(int(step) - self._summed()))
+        summed = sum(self.steps_done(task) or 0 for task in self.workers)
+        self.store.set(keys.GLOBAL_STEP, str(int(step) - summed))
 
     @property
     def global_step(self) -> int:
         """Pushes applied, every worker's together: the sum of their counts (one store
         add per push, where it is applied), plus what an old checkpoint held."""
-        return self.store.add(keys.GLOBAL_STEP, 0) + self._summed()
-
-    def _summed(self) -> int:
-        return sum(self.steps_done(task) or 0 for task in self.workers)
+        return self.store.add(keys.GLOBAL_STEP, 0) + sum(self.steps_done(task) or 0
+                                                         for task in self.workers)
 
     def publish_transfers(self, stats: dict) -> None:
         """Leave this worker's bytes moved where the chief reads them."""

@@ -54,9 +54,15 @@ class RowTable:
     fetch_many: Callable[[list], list] | None = None
 
     def read_all(self) -> torch.Tensor:
+        """The whole table, each chunk copied into it as it comes (a chunk may be a view
+        of the message it came in, which must not be kept)."""
+        table = torch.empty(self.shape, dtype=self.dtype)
+        at = 0
         with torch.no_grad():
-            rows = list(self.read_chunks())
-        return torch.cat(rows) if rows else torch.empty(self.shape, dtype=self.dtype)
+            for rows in self.read_chunks():
+                table[at:at + len(rows)] = rows
+                at += len(rows)
+        return table
 
     def read_chunks(self):
         """The table's rows in order, ``READ_CHUNK_ROWS`` at a time (a digest of it

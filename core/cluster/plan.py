@@ -148,16 +148,16 @@ class ShardingPlan:
     def partitioned(self, var: int) -> bool:
         return len(self._of[var]) > 1
 
-    def split_rows(self, var: int, ids: torch.Tensor) -> list[tuple[Shard, torch.Tensor]]:
-        """``ids`` (sorted row ids of variable ``var``) as (shard, positions in ``ids``)
-        for each shard they fall in."""
+    def split_rows(self, var: int, ids: torch.Tensor) -> list[tuple[Shard, slice]]:
+        """``ids`` (sorted row ids of variable ``var``) as (shard, the slice of ``ids``
+        that falls in it) for each shard: slices, not index tensors, so that a step's
+        ids and rows are cut by views, never gathered."""
         shards = self._of[var]
         if len(shards) == 1:
-            return [(shards[0], torch.arange(len(ids)))]
-        which = torch.searchsorted(self._starts[var], ids, right=True) - 1
-        bounds = torch.searchsorted(which, torch.arange(len(shards) + 1))
-        return [(shard, torch.arange(int(bounds[k]), int(bounds[k + 1])))
-                for k, shard in enumerate(shards)]
+            return [(shards[0], slice(0, len(ids)))]
+        bounds = torch.searchsorted(ids, self._starts[var][1:]).tolist()
+        return [(shard, slice(a, b))
+                for shard, a, b in zip(shards, [0] + bounds, bounds + [len(ids)])]
 
     def by_ps(self, num_ps: int) -> list[list[Shard]]:
         """The shards each ps holds, by shard id."""

@@ -204,7 +204,7 @@ class RemoteParameterStore(ParameterStore):
         routed = []
         for var, ids in wanted:
             parts = [(shard, where) for shard, where in self.plan.split_rows(var, ids)
-                     if len(where)]
+                     if where.stop > where.start]
             for shard, where in parts:
                 requests[shard.ps].append((shard.id, ids[where] - shard.start))
             routed.append(parts)
@@ -215,17 +215,17 @@ class RemoteParameterStore(ParameterStore):
         out = []
         for (var, ids), parts in zip(wanted, routed):
             shape = self.plan.shapes[var]
-            rows = torch.empty((len(ids), *shape[1:]), dtype=self.tables[var].dtype)
-            for shard, where in parts:
-                rows[where] = answers[shard.ps].pop(0).view(len(where), *shape[1:])
-            out.append(rows)
+            # the shards' rows in row order (sorted ids): joined, or one shard's as it came
+            pieces = [answers[shard.ps].pop(0).view(-1, *shape[1:]) for shard, _ in parts]
+            out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
+                       else torch.empty((0, *shape[1:]), dtype=self.tables[var].dtype))
         return out
 
     def _assigner(self, var: int):
         def assign(ids: torch.Tensor, rows: torch.Tensor) -> None:
             writes: list[list] = [[] for _ in range(self.client.num_ps)]
             for shard, where in self.plan.split_rows(var, ids):
-                if len(where):
+                if where.stop > where.start:
                     writes[shard.ps].append((shard.id, ids[where] - shard.start, rows[where]))
             self.client.assign(writes)
         return assign

@@ -33,6 +33,9 @@ __all__ = ["ParameterServer", "ABORT_HEARD_S"]
 # after a failure, how long a ps waits for the workers to hear why (the launcher gives
 # the others 30 s once the chief has exited)
 ABORT_HEARD_S = 15.0
+# how often, at most, a ps serving asks the store for joins and the job's end: its
+# polls and ps:0's store answering them are CPU the training steps share
+IDLE_POLL_S = 0.2
 
 
 class ParameterServer:
@@ -106,8 +109,8 @@ class ParameterServer:
 
         stopping = stop.is_set if stop is not None else lambda: False
         try:
-            poll_until(lambda: done() or stopping(), poll=poll)
-            if not poll_until(done, time.monotonic() + grace, poll):
+            poll_until(lambda: done() or stopping(), poll=poll, most=IDLE_POLL_S)
+            if not poll_until(done, time.monotonic() + grace, poll, most=IDLE_POLL_S):
                 return False
         except ChiefGone as exc:  # nobody will end the job: end it, and tell the workers
             self.books.abort(str(exc))

@@ -24,7 +24,8 @@ from .optimizer_spec import (OptimizerRefused, apply_settings, built, optimizer_
                              sparse_exact)
 from .row_updates import row_update_exact, row_updater
 from .shard_files import ShardFile, ShardFileError, write_file
-from .transport import flat_by_dtype, settings_from_json, unflatten_into, views_like
+from .transport import (Gathered, flat_by_dtype, settings_from_json, unflatten_into,
+                        views_like)
 
 __all__ = ["HeldShards", "Refused", "LOG_LIMIT"]
 
@@ -38,6 +39,12 @@ class Refused(Exception):
 def _rows_like(table: torch.Tensor, count: int) -> torch.Tensor:
     """What ``count`` rows of ``table`` look like (no memory): to cut received buffers."""
     return torch.empty((count, *table.shape[1:]), dtype=table.dtype, device="meta")
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy when it shares a larger storage (a view into a buffer)."""
+    shared = tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    return tensor.clone() if shared else tensor
 
 
 def _sparse(ids: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
@@ -86,8 +93,10 @@ class HeldShards:
             if not meta.get("with_values"):
                 return {"need_values": True}
             given = [v for v in specs if not v.get("init")]
-            if meta["with_values"] == "per_shard":  # the received buffers themselves
-                made = {v["id"]: f.view(v["shape"]) for v, f in zip(given, flats)}  # id order
+            if meta["with_values"] == "per_shard":  # the received buffers themselves,
+                # or, when they came packed in one receive buffer, copies: a shard must
+                # not keep that buffer (Channel.recv's, PACK_BYTES) alive
+                made = {v["id"]: _own(f).view(v["shape"]) for v, f in zip(given, flats)}
             else:
                 made = {v["id"]: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"]))
                         for v in given}
@@ -168,9 +177,11 @@ class HeldShards:
 
     def lookup(self, meta: dict, ids: torch.Tensor) -> list[torch.Tensor]:
         """The rows ``ids`` (shard-local) of each requested shard, in request order."""
-        rows = [table.detach().index_select(0, wanted)
-                for table, wanted in self._requested(meta, ids)]
-        return flat_by_dtype(rows) if rows else []
+        requested = self._requested(meta, ids)
+        if len({table.dtype for table, _ in requested}) != 1:  # none, or mixed dtypes
+            return flat_by_dtype([t.detach().index_select(0, w) for t, w in requested])
+        # gathered straight into the reply message (a worker asks one dtype at a time)
+        return [Gathered(requested)]
 
     def assign(self, meta: dict, ids: torch.Tensor, flats: list[torch.Tensor]) -> None:
         """Write rows of tables (a worker's ``load_state_dict``)."""

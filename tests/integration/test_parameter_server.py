@@ -160,3 +160,47 @@ def test_restarted_worker_rejoins(cluster, tmp_path):
     # The first incarnation pushed 5 updates before dying, the restarted one 10.
     assert [w for w, _ in log].count("worker:1") == 15 and len(log) == 35
     assert chief["lost"] == []  # it finished after all
+
+
+# What a ps runs for each worker incarnation it serves: the channel's own thread (its
+# rendezvous connection made on it) and gloo's threads of that channel's pair group
+CHANNEL_THREADS = 3
+
+
+def _threads(proc: subprocess.Popen) -> int:
+    return len(os.listdir(f"/proc/{proc.pid}/task"))
+
+
+def _settle(proc: subprocess.Popen, count: int, timeout: float = 60) -> int:
+    """The process's thread count once it is ``count`` (or what it is after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while _threads(proc) != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _threads(proc)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_each_worker_incarnation_costs_the_ps_a_fixed_set_of_threads_and_leaves_none(
+        cluster, tmp_path):
+    """A worker restarted again and again (by hand, or by a scheduler) must not grow the
+    ps: each incarnation it serves costs CHANNEL_THREADS threads while it lives, and
+    none once it died (a bounded store call per channel left one behind for good)."""
+    hold = tmp_path / "release-chief"
+    ps = cluster.start("ps", 0)
+    cluster.start("worker", 0, steps=3, sleep=0.02, hold=str(hold))
+    cluster.wait_progress("worker0", 3)
+    time.sleep(1.0)  # the chief's channel made and served: the ps's threads settle
+    base, costs = _threads(ps), []
+    for tag in ("a", "b", "c"):
+        cluster.start("worker", 1, steps=1000, die_at=3, sleep=0.3, tag=tag)
+        cluster.wait_progress(f"worker1{tag}", 1)
+        costs.append(_threads(ps) - base)
+        assert cluster.wait(f"worker1{tag}")[0] == 3
+        assert _settle(ps, base) == base, f"incarnation {tag} left threads behind"
+    assert costs == [CHANNEL_THREADS] * 3
+    hold.touch()
+    code, err = cluster.wait("worker0")
+    assert code == 0, err
+    assert cluster.wait("ps0")[0] == 0
+    assert cluster.result("worker0")["lost"] == ["worker:1"]

@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from csrun.core import CentralStorageStrategy, FixedShardsPartitioner
+from csrun.core.cluster import server as server_module
 from csrun.core.cluster.client import HandlerError
 from csrun.core.cluster.optimizer_spec import OptimizerRefused, sparse_exact
-from csrun.core.cluster.transport import LOOKUP, PUSH_PULL
+from csrun.core.cluster.transport import LOOKUP, PUSH_PULL, Gathered
 from csrun.core.runner.failures import located
+from tests.helpers.op_count import COPIES, OpCount
 from tests.helpers.ps_cluster import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,6 +90,51 @@ def test_a_step_sends_each_ps_one_push_carrying_all_its_tables():
         assert pushes == [[(0, PUSH_PULL), (1, PUSH_PULL)]]  # both ps, in one exchange
         assert len(lookups) == 2  # one per table, each to both ps at once
         assert all(len(m) == 2 for m in lookups)
+
+
+def test_a_step_costs_one_message_each_way_an_exchange_and_its_rows_are_cut_not_copied():
+    """Each exchange with a ps is one gloo message each way, its header and parts packed
+    (a push was a header and one send per part: 6 sends and receives, a lookup 5): a
+    step of two lookups and a push costs 2 x 3 messages per ps. The worker cuts a table's
+    ids and rows by shard as views of the gradient (slices), and a ps gathers the
+    looked-up rows straight into its reply."""
+    with Cluster(2, variable_partitioner=FixedShardsPartitioner(2)) as cluster:
+        model, optimizer = _build(cluster)
+        gathered, ops = [], OpCount()
+        for server in cluster.servers:
+            original = server.shards.lookup
+
+            def lookup(meta, ids, original=original):
+                with ops.counting():
+                    reply = original(meta, ids)
+                gathered.extend(type(part) for part in reply)
+                return reply
+            server.shards.lookup = lookup
+        for _ in range(2):
+            _step(cluster, model, optimizer)
+        stats = cluster.strategy.extended.transfer_stats()
+        assert stats["steps"] == 2 and stats["messages_per_step"] == 2 * 3 * 2
+        # one part a reply, its rows gathered as the message is made (Gathered): no
+        # copy here (a gather and a join were two, then the message's)
+        assert gathered == [Gathered] * 8
+        assert not [name for name, _ in ops.touched if name in COPIES]
+        remote = cluster.strategy.extended._remote()
+        ids = torch.tensor([1, 7, 30, 35])
+        assert all(isinstance(where, slice) for _, where in remote.plan.split_rows(0, ids))
+
+
+def test_a_serving_ps_asks_the_store_at_most_every_idle_poll(monkeypatch):
+    """A ps's joins-and-end polls back off to IDLE_POLL_S (every 20 ms, two idle ps
+    cost 5% of a core, which the steps shared)."""
+    seen, real = [], server_module.poll_until
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("most"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(server_module, "poll_until", recording)
+    with Cluster(1) as cluster:
+        _build(cluster)
+    assert seen and set(seen) == {server_module.IDLE_POLL_S}
 
 
 def test_an_exception_in_a_ps_handler_reaches_the_worker_with_its_type_and_message():

@@ -1,17 +1,20 @@
 """Channels made late or never (issue 39). A worker that starts after the chief ended
 the job ends with the chief's reason, read from the job's store, instead of waiting for
 channels that the ps tasks, stopping, no longer make, and then finding ps:0 gone
-("stopped answering"). A worker that dies between its join and its end of a channel
-leaves each ps waiting in a rendezvous of that channel's own, its books free."""
+("stopped answering"); one that starts after a normal end says the job already
+finished. A worker that dies between its join and its end of a channel leaves each ps
+waiting in a rendezvous of that channel's own, its books free; a signal while its
+channels are made is heard though the store is frozen."""
+
+import threading
 
 import pytest
 import torch
 
 from csrun.core import ParameterServerStrategy
-from csrun.core.cluster import coordinator as coordinator_module
 from csrun.core.cluster import server, store_keys as keys
 from csrun.core.cluster.coordinator import JobCoordinator
-from csrun.core.cluster.transport import JobAborted
+from csrun.core.cluster.transport import JobAborted, JobFinished, Stopped
 from tests.helpers.ps_cluster import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,16 +62,16 @@ def test_a_worker_whose_channels_are_never_made_hears_the_reason_while_it_waits(
             monkeypatch.setattr(server, "_accept", asked.append)
         _ended(cluster)
         # the job ended just after this worker looked (its join does not see it)
-        joining, read, join = [], coordinator_module.read_abort, JobCoordinator.join_servers
+        joining, read, join = [], JobCoordinator.check_open, JobCoordinator.join_servers
 
-        def unseen(store, heard):
-            return None if joining else read(store, heard)
+        def unseen(self):
+            return None if joining else read(self)
 
         def join_servers(self):
             joining.append(True)
             join(self)
             joining.clear()
-        monkeypatch.setattr(coordinator_module, "read_abort", unseen)
+        monkeypatch.setattr(JobCoordinator, "check_open", unseen)
         monkeypatch.setattr(JobCoordinator, "join_servers", join_servers)
         with pytest.raises(JobAborted) as ended:
             _late_worker(cluster)
@@ -97,3 +100,58 @@ def test_a_worker_that_dies_between_its_join_and_its_channel_does_not_stop_the_p
         cluster.aborted = True  # ended: nothing for the cluster's close to finish
     for thread in cluster.threads:  # the chief ended the job: every ps stopped
         assert not thread.is_alive()
+
+
+def test_a_worker_starting_after_the_job_finished_normally_is_told_so_at_once():
+    """The chief ended the job normally (DONE, no failure) and the ps tasks stop: a worker
+    that starts then says the job already finished, instead of waiting
+    ``strategy.timeout_s`` for channels no ps makes and blaming ps:0."""
+    with Cluster(2, workers=2) as cluster:
+        cluster.strategy.extended.coordinator.store.set(keys.DONE, "1")  # as end_job does
+        with pytest.raises(JobFinished, match=r"^the job already finished: the chief ended "
+                                              r"it normally before worker:1 joined"):
+            _late_worker(cluster)
+        assert cluster.strategy.extended.finish(timeout=2) == ["worker:1"]  # never pushed
+        cluster.aborted = True  # ended: nothing for the cluster's close to finish
+
+
+class _Frozen:
+    """A store connection that takes every call and never answers; the signal comes
+    while the call waits in it (``stop`` is set there)."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop, self.release = stop, threading.Event()
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.stop.set()
+            self.release.wait()
+            raise RuntimeError("released by the test")
+        return call
+
+
+def test_a_signal_while_a_channel_is_made_is_heard_though_the_store_is_frozen(monkeypatch):
+    """While a worker's channels are made it asks the store whether the job ended; with
+    the store frozen, a first Ctrl-C or SIGTERM (``stop``) ends the wait at once
+    (Stopped: the task reports it stopped while waiting), not after
+    ``strategy.timeout_s`` (here 30 s: it said ps:0's channel did not answer)."""
+    with Cluster(2, workers=2) as cluster:
+        for server in cluster.servers:  # the ps tasks never make this worker's channels
+            monkeypatch.setattr(server, "_accept", [].append)
+        stop, frozen, join = threading.Event(), [], JobCoordinator.join_servers
+
+        def join_servers(self):  # joined, and then the store freezes
+            join(self)
+            frozen.append(_Frozen(stop))
+            self.store.raw = frozen[0]
+        monkeypatch.setattr(JobCoordinator, "join_servers", join_servers)
+        try:
+            with pytest.raises(Stopped, match="parameter server ps:0"):
+                ParameterServerStrategy(cluster_spec=cluster.spec, task_type="worker",
+                                        task_id=1, timeout=30, stop=stop)
+        finally:
+            for store in frozen:
+                store.release.set()
+        assert stop.is_set()
+        assert cluster.strategy.extended.finish(timeout=2) == ["worker:1"]
+        cluster.aborted = True

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from csrun.core.cluster.transport import (Caller, JobAborted, ParameterServerError, bounded,
+from csrun.core.cluster import transport
+from csrun.core.cluster.transport import (BoundedStore, Caller, JobAborted,
+                                          ParameterServerError, Stopped, bounded,
                                           calls_running, unreachable)
 from csrun.core.runner.launch import free_ports
 
@@ -98,3 +100,41 @@ def test_a_program_that_speaks_first_is_not_a_store():
 def test_a_silent_peer_is_not_unreachable_but_frozen():
     with _listening(lambda connection: None) as port:
         assert unreachable("127.0.0.1", port) is None
+
+
+def test_a_bounded_store_hearing_a_signal_gives_up_a_frozen_call_at_once():
+    """The job's store answers every call within ``strategy.timeout_s`` or fails; a view
+    that hears ``stop`` gives a frozen call up as soon as the signal comes (Stopped), and
+    a store without one still waits (a task stopping cleanly keeps its books)."""
+    class Frozen:  # a store that takes the call and never answers
+        def __init__(self):
+            self.release, self.calls = threading.Event(), 0
+
+        def check(self, keys):
+            self.calls += 1
+            stop.set()  # the signal comes while the call is in the store
+            self.release.wait()
+            return True
+
+    stop, raw = threading.Event(), Frozen()
+    store = BoundedStore(raw, 3600, "a frozen store")
+    try:
+        with pytest.raises(Stopped, match="a frozen store"):
+            store.hearing(stop).check(["job/done"])
+        assert raw.calls == 1
+        with pytest.raises(ParameterServerError, match="still busy with a call given up on"):
+            store.check(["job/done"])  # one connection: its thread is still in that call
+    finally:
+        raw.release.set()
+
+
+def test_a_long_poll_asks_less_and_less_often_up_to_its_most():
+    """An idle ps asks the store for joins and the job's end at most every
+    ``IDLE_POLL_S`` (it asked every 20 ms: 2 idle ps cost 5% of a core)."""
+    slept, asked = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport.time, "sleep", slept.append)
+        assert transport.poll_until(lambda: len(asked.append(1) or asked) > 12, poll=0.02,
+                                    most=0.2)
+    assert slept[0] == 0.02 and slept[-1] == 0.2 and slept == sorted(slept)
+    assert len(slept) == 12 and sum(s < 0.2 for s in slept) == 6
