@@ -534,10 +534,15 @@ def run_csrun(workers: int, ps: int, args, folder: Path, task: str = "csrun") ->
             "cpu_ms_per_batch": cpu_per_step(watch.spent(begin, end), args.steps)}
 
 
+def py_spy() -> str:
+    """py-spy's path: on PATH, or where ``pip install --user py-spy`` puts it."""
+    return shutil.which("py-spy") or str(Path.home() / ".local/bin/py-spy")
+
+
 def spy_on(procs: dict, folder: str, label: str) -> list:
     """py-spy samples (every thread, 200 Hz; idle threads left out, so the samples are
     CPU) of worker0 and every ps into ``folder``."""
-    spy = shutil.which("py-spy") or str(Path.home() / ".local/bin/py-spy")
+    spy = py_spy()
     Path(folder).mkdir(parents=True, exist_ok=True)
     return [subprocess.Popen([spy, "record", "--format", "raw", "--threads", "--rate",
                               "200", "-o", str(Path(folder) / f"{label}-{name}.txt"), "-p",
@@ -767,6 +772,8 @@ def check(args) -> list[str]:
             problems.append(f"--{name} must be at least 1")
     if args.warmup < 1:
         problems.append("--warmup must be at least 1 (the first step compiles TF's function)")
+    if args.spy and not Path(py_spy()).is_file():  # checked before any task starts
+        problems.append(f"--spy needs py-spy (pip install py-spy): not on PATH nor at {py_spy()}")
     return problems
 
 

@@ -60,6 +60,17 @@ def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_spy_without_py_spy_is_refused_before_any_task_starts(tmp_path, monkeypatch, capsys):
+    # a spy that failed to start once left its job's tasks running: now nothing starts
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        bench().main(["--spy", str(tmp_path / "spy")])
+    assert exited.value.code == 2
+    assert "--spy needs py-spy" in capsys.readouterr().err
+    assert not (tmp_path / "spy").exists()
+
+
 def test_tfs_lookup_form_reaches_its_tasks_and_only_the_two_forms_are_taken(capsys):
     b = bench()
     with pytest.raises(SystemExit):
