@@ -564,6 +564,11 @@ def test_a_steady_run_asks_the_policy_only_what_it_needs(monkeypatch):
     reads = _reads(monkeypatch)
     step()
     assert len(reads) == 1
+    _draws_arm_the_streams_again(strategy, step)
+
+
+def _draws_arm_the_streams_again(strategy, step) -> None:
+    """Replicas that draw random numbers arm the policy's streams: no longer steady."""
     x = torch.ones(4, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -590,10 +595,4 @@ def test_a_steady_policy_asks_as_little_when_the_execution_is_chosen(execution, 
     reads = _reads(monkeypatch)
     step()
     assert len(reads) == (1 if execution == "ordered" else 2)
-    x = torch.ones(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for _ in range(2):
-            strategy.run(lambda v: F.dropout(v, 0.5), args=(x,))
-    assert strategy.extended._policy._armed
-    assert "ExecutionPolicy.random" in calls(step)  # not steady while armed
+    _draws_arm_the_streams_again(strategy, step)
