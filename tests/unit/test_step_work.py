@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import csrun.core as cs
-from csrun.core.distribute import context, parameters
+from csrun.core.distribute import context, parameters, values
 from tests.helpers.call_count import calls
 from tests.helpers.op_count import OpCount, model_tensors
 
@@ -503,6 +503,19 @@ def test_a_replicas_context_is_what_its_constructors_make():
         assert [getattr(entry, f) for f in context.Entry.__slots__] == \
             [getattr(expected, f) for f in context.Entry.__slots__]
         assert entry.serving is not None and not hasattr(entry, "__dict__")
+
+
+def test_a_runs_per_replica_output_is_what_its_constructor_makes():
+    """``regroup`` builds run's PerReplica outputs without entering ``__init__``: the
+    same type, slots and values as ``PerReplica(values)``, and no field more."""
+    strategy = cs.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:0")
+    out = strategy.run(lambda: cs.get_replica_context().replica_id_in_sync_group)
+    made = values.PerReplica([0, 1])
+    assert type(out) is values.PerReplica and not hasattr(out, "__dict__")
+    assert type(out._values) is tuple and out._values == made._values == (0, 1)
+    nested = strategy.run(lambda: {"id": [cs.get_replica_context()
+                                          .replica_id_in_sync_group]})
+    assert type(nested["id"][0]) is values.PerReplica and nested["id"][0].values == (0, 1)
 
 
 def test_a_run_that_reads_no_parameters_serves_and_hands_over_nothing():
