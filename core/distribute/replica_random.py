@@ -41,7 +41,10 @@ _MASK64 = (1 << 64) - 1
 
 # The global CPU generator's state, as bytes to compare (twice a watched run): bound, so
 # a run pays no call of its own for it.
-global_state = torch_internals.generator_state_bytes
+# The global CPU generator's fingerprint: equal exactly while nothing draws from it (or
+# reseeds it); compared, never restored or looked into
+global_state = torch_internals.generator_fingerprint
+Fingerprint = object
 _dynamo_tracing = torch_internals.dynamo_tracing
 
 
@@ -74,7 +77,7 @@ class RunSeed:
                     self.seed = seed
         return self.seed
 
-    def moved(self, snapshot: bytes, now: bytes) -> bool:
+    def moved(self, snapshot: Fingerprint, now: Fingerprint) -> bool:
         """Whether anything but this draw moved the global generator between
         ``snapshot`` and ``now`` (the global state, as the caller has just read it)."""
         if self.around is None:

@@ -17,8 +17,10 @@ torch's private one directly did.
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import os
+import struct
 import sys
 import warnings
 from typing import Callable
@@ -39,7 +41,8 @@ __all__ = [
     "COMPILER", "compiler_in_use", "dynamo_tracing", "compiler_inlines_modules",
     "compiled_function_original", "COMPILED_REPLICAS_SINCE", "compiles_in_replicas",
     "is_batch_norm",
-    "check_batch_norm_input", "generator_state_bytes", "OpOverload", "op_takes_generator",
+    "check_batch_norm_input", "generator_state_bytes", "generator_fingerprint", "OpOverload",
+    "op_takes_generator",
     "PRIVATE_SAMPLERS", "replace_rng_state_functions", "restore_rng_state_functions",
     "function_modes", "default_device", "register_state_dict_hooks", "make_wrapper_tensor",
     "disabled_torch_function", "optimizer_step_hooks",
@@ -360,6 +363,116 @@ def generator_state_bytes(generator: torch.Generator = torch.default_generator) 
 
 
 _STATE_ARRAYS: dict = {}  # state size -> the ctypes array type read over it
+
+# torch's CPU generator state (CPUGeneratorImplState, 5056 bytes) is its seed, the
+# mt19937 position (left, seeded, next), the 624 state words, then the cached normal
+# samples. A draw moves the position or uses up a cached sample; where the position comes
+# round again (624 words on) every word has been regenerated, the first among them. So
+# the seed, position, first word and cache change whenever the whole state does (but for
+# a 1-in-2**32 repeat of that first word at exactly a wrap): what the replicas' watch
+# compares, once a run.
+_CPU_STATE_SIZE, _HEAD_SIZE, _TAIL_AT = 5056, 32, 5016
+_Head, _Tail = ctypes.c_char * _HEAD_SIZE, ctypes.c_char * (_CPU_STATE_SIZE - _TAIL_AT)
+
+
+def _state_fingerprint(generator: torch.Generator = torch.default_generator) -> bytes:
+    """Those fields, through ``get_state()`` (a 5 KB tensor each read)."""
+    state = generator.get_state()  # held: its memory is read below
+    at = state.data_ptr()
+    return _Head.from_address(at).raw + _Tail.from_address(at + _TAIL_AT).raw
+
+
+# The same fields read where the C++ generator keeps them: get_state() allocates and
+# copies 5 KB, ~5 of an empty 2-replica step's ~25 µs; this reads 2.5 KB in place
+# (~0.3 µs). The layout is found on a probe generator set to known values and checked
+# against get_state() before it is used; torch's own get_state() stands in where it is
+# not found. Padding is skipped (a reseed copies it from a temporary), and so are the
+# cached samples' values: only their flags are read. A sample is cached by drawing (the
+# position moves), while a value left behind by a used or dropped sample stays in the
+# C++ object after get_state() reports it gone: a draw that a restore undid (as
+# torch.compile's tracing does) would read as moved.
+_PROBE = (0x5EED_CAFE_F00D_1234, 123, 1, 456, 0xDEADBEEF, 1.75, 3.25)
+_ENGINE_FIELDS = struct.Struct("<QiB3xII2492x4x4xB3x8xB")  # seed .. double sample's flag
+
+
+def _probe_generator() -> torch.Generator:
+    g = torch.Generator()
+    seed, left, seeded, at, word, single, double = _PROBE
+    state = bytearray(generator_state_bytes(g))
+    struct.pack_into("<QiiQQ", state, 0, seed, left, seeded, at, word)
+    struct.pack_into("<d", state, 5024, double)
+    struct.pack_into("<i", state, 5040, 1)
+    struct.pack_into("<f?", state, 5048, single, True)
+    g.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
+    return g
+
+
+def _engine_fields_at(generator: torch.Generator) -> int | None:
+    """Where the fingerprint's fields start in ``generator``'s C++ object, or None."""
+    seed, left, seeded, at, word, single, double = _PROBE
+    start = (ctypes.c_char * 256).from_address(generator._cdata).raw.find(
+        struct.pack("<QiB", seed, left, seeded))
+    if start < 0:
+        return None
+    found = _ENGINE_FIELDS.unpack_from(
+        (ctypes.c_char * _ENGINE_FIELDS.size).from_address(generator._cdata + start))
+    values = (ctypes.c_char * 16).from_address(generator._cdata + start + 2520).raw
+    if values[:4] != struct.pack("<f", single) or values[8:] != struct.pack("<d", double):
+        return None  # the samples are not where their flags are read
+    return start if found == (seed, left, seeded, at, word, 1, 1) else None
+
+
+def _memory_fingerprint(generator: torch.Generator, start: int) -> Callable[[], tuple]:
+    fields = (ctypes.c_char * _ENGINE_FIELDS.size).from_address(generator._cdata + start)
+    return functools.partial(_ENGINE_FIELDS.unpack_from, fields)  # a C call, no frame
+
+
+def _tracks_the_state(read: Callable[[], object], g: torch.Generator) -> bool:
+    """Whether ``read`` moves exactly when ``g``'s whole state does, through a reseed,
+    draws, a cached normal sample made and then used, a wrap, a draw undone by a
+    restore, and comes back with a restored state."""
+    def undone():
+        state = g.get_state()
+        torch.randn((), dtype=torch.float64, generator=g)
+        g.set_state(state)
+    steps = [lambda: g.manual_seed(7), lambda: None,
+             lambda: torch.empty(3, dtype=torch.int64).random_(generator=g),
+             lambda: torch.randn((), dtype=torch.float64, generator=g),
+             lambda: torch.randn((), dtype=torch.float64, generator=g),
+             undone, lambda: torch.randint(0, 2 ** 31, (624,), generator=g)]
+    saved, before = g.get_state(), (read(), generator_state_bytes(g))
+    first = before[0]
+    for step in steps:
+        step()
+        now = (read(), generator_state_bytes(g))
+        if (now[0] == before[0]) != (now[1] == before[1]):
+            return False
+        before = now
+    g.set_state(saved)
+    return read() == first
+
+
+def _watch_fingerprint() -> Callable[[], object]:
+    """The cheapest read of the global generator that this torch passes the checks for:
+    its C++ fields, those of get_state(), or the whole state."""
+    if torch.default_generator.get_state().numel() != _CPU_STATE_SIZE:
+        return generator_state_bytes  # a layout csrun does not know
+    try:
+        probe = _probe_generator()
+        start = _engine_fields_at(probe)
+        if start is not None and _tracks_the_state(_memory_fingerprint(probe, start), probe):
+            read = _memory_fingerprint(torch.default_generator, start)
+            if read()[:5] == struct.unpack_from("<QiiQQ", generator_state_bytes()):
+                return read  # (the global generator is of the probe's kind)
+        if _tracks_the_state(lambda: _state_fingerprint(probe), probe):
+            return _state_fingerprint
+    except (RuntimeError, ValueError, struct.error):  # set_state refused the probe
+        pass
+    return generator_state_bytes
+
+
+# What the replicas' watch compares, run after run (only ever with itself)
+generator_fingerprint: Callable[[], object] = _watch_fingerprint()
 
 
 # What ``torch.ops.aten.<op>.<overload>`` objects are: replicas' random streams see

@@ -193,13 +193,34 @@ def test_a_watched_run_reads_the_global_state_twice(monkeypatch):
     assert len(reads) == 2
 
 
-def test_global_state_is_the_generators_state_byte_for_byte():
+def test_global_state_moves_exactly_when_the_generators_state_does():
+    """The watch's fingerprint of the global generator (its seed, mt19937 position,
+    first state word and cached normal samples) moves with a draw, with a randn that only
+    uses up its cached sample, with 624 draws that bring the position round again and
+    with a reseed; it stays put while nothing draws and comes back with the seed, even
+    where a cached sample was dropped (its value stays behind in torch's C++ generator)."""
     from csrun.core.distribute.replica_random import global_state
-    before = global_state()
-    assert before == torch.default_generator.get_state().numpy().tobytes()
+    whole = lambda: torch.default_generator.get_state().numpy().tobytes()  # noqa: E731
+    torch.manual_seed(5)
+    first = before = (global_state(), whole())
+    for step in [lambda: None, lambda: torch.rand(3),
+                 lambda: torch.randn((), dtype=torch.float64),  # draws, caches a sample
+                 lambda: torch.randn((), dtype=torch.float64),  # the sample: no draw
+                 lambda: torch.randint(0, 2 ** 31, (624,)),  # the position comes round
+                 lambda: torch.manual_seed(6)]:
+        step()
+        now = (global_state(), whole())
+        assert (now[0] == before[0]) == (now[1] == before[1])
+        before = now
+    assert before[0] != first[0]
+    torch.manual_seed(5)
+    seeded = (global_state(), whole())
     torch.rand(3)
-    assert global_state() != before
-    assert global_state() == torch.default_generator.get_state().numpy().tobytes()
+    torch.manual_seed(5)
+    assert global_state() == seeded[0]
+    torch.randn((), dtype=torch.float64)  # a sample cached, then dropped by a reseed
+    torch.manual_seed(5)
+    assert (global_state(), whole()) == seeded
 
 
 def test_the_run_seed_is_read_from_the_host_and_only_cpu_replicas_have_streams():

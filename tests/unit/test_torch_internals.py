@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import datetime
 import functools
 import gc
 import os
 import subprocess
+import struct
 import sys
 import textwrap
 import threading
@@ -354,6 +356,39 @@ def test_generator_state_bytes():
         torch.rand(4, generator=g)
         assert ti.generator_state_bytes(g) != before
         assert ti.generator_state_bytes(g) == g.get_state().numpy().tobytes()
+
+
+def test_generator_fingerprint():
+    """The replicas' watch reads the global generator's seed, position, first word and
+    normal samples where torch's C++ CPU generator keeps them, found on a probe
+    generator set to known values and checked against get_state() step by step; a read
+    that misses a field fails that check (and get_state()'s fields stand in)."""
+    with relied_on("generator_fingerprint (the CPU generator's C++ fields)"):
+        probe = ti._probe_generator()
+        start = ti._engine_fields_at(probe)
+        assert start is not None
+        assert ti._tracks_the_state(ti._memory_fingerprint(probe, start), probe)
+        assert isinstance(ti.generator_fingerprint, functools.partial)
+        whole = ti.generator_state_bytes()
+        seed, left, seeded, at, word = struct.unpack_from("<QiiQQ", whole)
+        assert ti.generator_fingerprint()[:5] == (seed, left, seeded, at, word)
+        values = struct.Struct("<QiB3xII2492x4xIB3xQB")  # the samples' values too
+        memory = (ctypes.c_char * values.size).from_address(probe._cdata + start)
+        assert not ti._tracks_the_state(lambda: values.unpack_from(memory), probe)
+    g = torch.Generator()
+    assert ti._tracks_the_state(lambda: ti._state_fingerprint(g), g)
+    assert not ti._tracks_the_state(lambda: ti._state_fingerprint(g)[:32], g)  # no cache
+    assert not ti._tracks_the_state(lambda: ti._state_fingerprint(g)[8:24], g)  # no wrap
+
+
+def test_the_generator_watch_falls_back_where_the_fields_are_not_found(monkeypatch):
+    """No fields found in the C++ generator: get_state()'s; those failing too: the
+    whole state."""
+    assert isinstance(ti._watch_fingerprint(), functools.partial)
+    monkeypatch.setattr(ti, "_engine_fields_at", lambda generator: None)
+    assert ti._watch_fingerprint() is ti._state_fingerprint
+    monkeypatch.setattr(ti, "_tracks_the_state", lambda read, g: False)
+    assert ti._watch_fingerprint() is ti.generator_state_bytes
 
 
 def test_op_overload_and_op_takes_generator():
