@@ -82,7 +82,7 @@ class ParameterServerClient:
         # one thread per ps for every exchange with it, its channel's making included
         self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]
         tickets = [self._callers[k].submit(
-            lambda k=k: Channel(raw, keys.channel(k, name), 1, bound, device))
+            lambda k=k: Channel.connect(raw, keys.channel(k, name), 1, bound, device))
             for k in range(self.num_ps)]
         self._channels = []
         for k, ticket in enumerate(tickets):
