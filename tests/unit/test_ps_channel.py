@@ -1,7 +1,9 @@
 """A ps channel's messages, over a real gloo pair in one process: a message up to
 PACK_BYTES is one gloo send, its header and parts packed, each tensor copied once into
 it (table rows gathered straight into it); a larger one is its header and a send per
-part, none copied; the receiver's parts are views of what it received."""
+part, none copied; the receiver's parts are views of what it received. A header that
+is malformed or claims more than the channel's limit is refused before anything is
+allocated for it (fed through an in-memory wire, as a hostile or garbled peer's)."""
 
 import datetime
 import threading
