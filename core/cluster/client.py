@@ -82,7 +82,7 @@ class ParameterServerClient:
         # one thread per ps for every exchange with it, its channel's making included
         self._callers = [Caller(f"csrun-ps{k}-call") for k in range(self.num_ps)]
         tickets = [self._callers[k].submit(
-            lambda k=k: Channel(raw, keys.channel(k, name), 1, bound, device))
+            lambda k=k: Channel.connect(raw, keys.channel(k, name), 1, bound, device))
             for k in range(self.num_ps)]
         self._channels = []
         for k, ticket in enumerate(tickets):
@@ -190,14 +190,20 @@ class ParameterServerClient:
         """Build the same optimizer on every ps (``spec``: :mod:`.optimizer_spec`)."""
         self.exchange({k: (OPTIMIZER, [encode(spec)]) for k in range(self.num_ps)})
 
-    def lookup(self, requests: list[list[tuple[int, torch.Tensor]]],
+    def lookup(self, requests: list[list[tuple[int, torch.Tensor, int]]],
                dtype: torch.dtype, counted: bool = True) -> list[list[torch.Tensor]]:
-        """Table rows: ``requests[k]`` lists (shard id, shard-local row ids) for ps k; the
-        rows come back flat, one per request, in the same order; every ps at once.
-        ``counted``: a training step's (not an evaluation's or a whole table's read)."""
-        messages = {k: (LOOKUP, [encode({"shards": [[shard, len(ids)] for shard, ids in
+        """Table rows: ``requests[k]`` lists (shard id, shard-local row ids, row width)
+        for ps k; the rows come back flat, one per request, in the same order; every ps
+        at once. ``counted``: a training step's (not an evaluation's or a whole table's
+        read).
+
+        Raises:
+          ParameterServerError: a ps answered other than the rows asked (their count,
+            width or dtype): a short reply must not leave rows unread or shift the rest.
+        """
+        messages = {k: (LOOKUP, [encode({"shards": [[shard, len(ids)] for shard, ids, _ in
                                                     wanted]}),
-                                 [ids for _, ids in wanted]])
+                                 [ids for _, ids, _ in wanted]])
                     for k, wanted in enumerate(requests) if wanted}
         replies = self.exchange(messages, counted)
         answers: list[list[torch.Tensor]] = []
@@ -205,10 +211,16 @@ class ParameterServerClient:
             if not wanted:
                 answers.append([])
                 continue
-            flat = replies[k][0] if replies[k] else torch.empty(0, dtype=dtype)
-            sizes = [len(i) for _, i in wanted]
-            answers.append(list(flat.split([n * (flat.numel() // max(1, sum(sizes)))
-                                            for n in sizes])))
+            sizes = [len(ids) * width for _, ids, width in wanted]
+            reply = replies[k] or [torch.empty(0, dtype=dtype)]
+            if len(reply) != 1 or reply[0].numel() != sum(sizes) or reply[0].dtype != dtype:
+                got = " + ".join(f"{p.numel()} {p.dtype}" for p in reply)
+                raise ParameterServerError(
+                    f"{self._ps_names[k]} answered a lookup of "
+                    f"{sum(len(ids) for _, ids, _ in wanted)} table rows ({sum(sizes)} "
+                    f"{dtype} values) with {got} values; is every task of the job "
+                    "running the same csrun?")
+            answers.append(list(reply[0].split(sizes)))
         return answers
 
     def assign(self, writes: list[list[tuple[int, torch.Tensor, torch.Tensor]]]) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distribute import torch_internals
+from .transport import ParameterServerError
 
 __all__ = ["SPARSE_OPTIMIZERS", "RowTable", "ServedModel", "find_tables", "serve_by_rows",
            "sparse_update_problem", "table_label", "unservable", "is_lookup", "served_tables"]
@@ -52,10 +53,12 @@ class RowTable:
     weight: Callable[[], torch.Tensor]  # what the backward's sparse gradient goes to
     # rows of several tables (var, sorted unique ids), in one request per ps
     fetch_many: Callable[[list], list] | None = None
+    label: str = "a table"  # as messages name it: ``Embedding(10000, 64)``
 
     def read_all(self) -> torch.Tensor:
         """The whole table, each chunk copied into it as it comes (a chunk may be a view
-        of the message it came in, which must not be kept)."""
+        of the message it came in, which must not be kept); every row is written, as
+        :meth:`read_chunks` checks."""
         table = torch.empty(self.shape, dtype=self.dtype)
         at = 0
         with torch.no_grad():
@@ -66,10 +69,23 @@ class RowTable:
 
     def read_chunks(self):
         """The table's rows in order, ``READ_CHUNK_ROWS`` at a time (a digest of it
-        holds no more than that at once)."""
+        holds no more than that at once).
+
+        Raises:
+          ParameterServerError: a chunk is not the rows asked (their count or width).
+        """
         with torch.no_grad():
             for a in range(0, self.shape[0], READ_CHUNK_ROWS):
-                yield self.fetch(torch.arange(a, min(a + READ_CHUNK_ROWS, self.shape[0])))
+                b = min(a + READ_CHUNK_ROWS, self.shape[0])
+                yield self._checked(a, b, self.fetch(torch.arange(a, b)))
+
+    def _checked(self, a: int, b: int, rows: torch.Tensor) -> torch.Tensor:
+        if tuple(rows.shape) != (b - a, *self.shape[1:]):
+            raise ParameterServerError(
+                f"{self.label} (variable {self.var}): the ps tasks answered rows of shape "
+                f"{tuple(rows.shape)} for its rows {a} to {b - 1}, shape "
+                f"{(b - a, *self.shape[1:])}; the table cannot be read whole")
+        return rows
 
 
 def sparse_update_problem(cls: type, groups: list[dict]) -> str | None:

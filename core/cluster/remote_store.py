@@ -9,6 +9,7 @@ makes the job's plan (:mod:`.plan`) and offers each ps its shards; at each
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 
@@ -123,7 +124,7 @@ class RemoteParameterStore(ParameterStore):
             self.tables[var] = RowTable(var, tuple(central.shape), central.dtype,
                                         var in self._sparse, self._fetcher(var),
                                         self._assigner(var), self._weight(central),
-                                        self.fetch_many)
+                                        self.fetch_many, table_label(module))
             self._row_served.add(id(central))
             serve_by_rows(module, self.tables[var])
         # never served ahead to a replica: a read of one there is refused (check_device)
@@ -205,8 +206,9 @@ class RemoteParameterStore(ParameterStore):
         for var, ids in wanted:
             parts = [(shard, where) for shard, where in self.plan.split_rows(var, ids)
                      if where.stop > where.start]
+            width = math.prod(self.plan.shapes[var][1:])
             for shard, where in parts:
-                requests[shard.ps].append((shard.id, ids[where] - shard.start))
+                requests[shard.ps].append((shard.id, ids[where] - shard.start, width))
             routed.append(parts)
         # a step's lookups count as what it moved, not an evaluation's or a state_dict's
         # (its reads run without gradients)

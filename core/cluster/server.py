@@ -155,8 +155,9 @@ class ParameterServer:
         worker = name.rsplit("#", 1)[0]
         try:
             with in_native():  # a process that ends meanwhile must not wait for it
-                channel = Channel(self._rendezvous(), keys.channel(self.task_id, name), 0,
-                                  FOREVER, self._device)
+                channel = Channel.connect(self._rendezvous(),
+                                          keys.channel(self.task_id, name), 0, FOREVER,
+                                          self._device)
                 while True:
                     op, payload = channel.recv()
                     if op == BYE:

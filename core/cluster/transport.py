@@ -27,6 +27,7 @@ import os
 import queue
 import re
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -34,6 +35,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..distribute.device_lib import memory_bytes
+from ..distribute.devices import LogicalDevice
 from ..distribute.torch_internals import gloo_group
 from .resolvers import ClusterResolver
 from . import store_keys
@@ -416,6 +419,16 @@ _ALIGN = 8             # each packed part starts on a multiple of it (a dtype's 
 _HEADER_BYTES = _HEADER * 8
 
 
+def _host_bytes() -> int:
+    """The most bytes a message may claim by default: this host's memory (unknown, not
+    POSIX: no bound). Not a bound from the plan: a ps reads a header before it knows its
+    shards (a registration, the largest message, tells it), and no plan figure bounds
+    every message (a ps's state for a checkpoint is its shards and their optimizer state,
+    pickled). But no message larger than the host's memory can be received whole: this
+    refuses only a claim that could never be honoured, before anything is allocated."""
+    return memory_bytes(LogicalDevice("CPU", 0)) or sys.maxsize
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -449,16 +462,29 @@ class Channel:
     of the transport's threads on both sides (a training step's messages are a few MiB
     at most, of 2 to 4 parts). A larger message (a table's registration) is its header,
     then one send per part, none of them copied. Either way every byte is copied at most
-    once on the way, and the receiver's parts are views into what it received.
+    once on the way, and the receiver's parts are views into what it received. Every
+    size a header claims is checked before anything is allocated for it.
     """
 
-    def __init__(self, store, prefix: str, rank: int, timeout: datetime.timedelta,
-                 device=None):
-        self._pg = gloo_group(dist.PrefixStore(prefix, store), rank, 2, timeout, device)
+    def __init__(self, group, rank: int, limit: int | None = None):
+        """``group``: a two-rank process group whose ``send`` and ``recv`` work as
+        torch.distributed's (:meth:`connect` makes the gloo one); ``rank``: this end's
+        (0: the ps). ``limit``: the most bytes a message may claim (default: this host's
+        memory, see :func:`_host_bytes`)."""
+        self._pg = group
         self._peer = 1 - rank
+        self.limit = limit if limit is not None else _host_bytes()
         self._lock = threading.Lock()
         self.sent_bytes = self.received_bytes = 0  # payloads, headers included
         self.sent_messages = self.received_messages = 0  # gloo sends, receives
+
+    @classmethod
+    def connect(cls, store, prefix: str, rank: int, timeout: datetime.timedelta,
+                device=None) -> "Channel":
+        """The channel of the gloo pair that meets under ``prefix`` in ``store``, on
+        ``device`` (:func:`gloo_device`) when given; it waits for the peer's end."""
+        return cls(gloo_group(dist.PrefixStore(prefix, store), rank, 2, timeout, device),
+                   rank)
 
     def send(self, op: int, payload: list) -> None:
         if len(payload) > MAX_PAYLOAD:
@@ -482,6 +508,9 @@ class Channel:
                 work.wait()
 
     def recv(self) -> tuple[int, list[torch.Tensor]]:
+        """The next message: its op and parts. RuntimeError: a header that is malformed
+        or claims more than :attr:`limit` bytes (refused before its parts are allocated),
+        or the transport's own (the peer died)."""
         buffer = torch.empty(_HEADER_BYTES + PACK_BYTES, dtype=torch.uint8)
         with self._lock:
             self._pg.recv([buffer], self._peer, 0).wait()
@@ -492,6 +521,11 @@ class Channel:
             if packed and sum(map(_aligned, nbytes)) > PACK_BYTES:
                 raise RuntimeError(f"a malformed message: its header claims "
                                    f"{sum(nbytes)} bytes packed in at most {PACK_BYTES}")
+            if not packed and sum(nbytes) > self.limit:
+                raise RuntimeError(f"a message of {sum(nbytes)} bytes, as its header says, "
+                                   f"is more than this host's memory ({self.limit} bytes)"
+                                   ": refused unread; is the peer a csrun task of this "
+                                   "version?")
             if packed:
                 payload = _unpacked(buffer, kinds, nbytes)
             else:

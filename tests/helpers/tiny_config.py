@@ -8,6 +8,12 @@ second. A test that needs another config derives it from this one with
 
 Every variant is written in :data:`TINY`'s layout (sections one a line, the dataset's
 steps one a line), so a line number or a text replacement means the same in each.
+
+The parameter-server jobs that the process tests start share another base,
+:func:`ps_config`'s (one CPU replica per worker, a bigger synthetic problem), derived the
+same way, so each test states only how its job differs::
+
+    ps_config("train.steps=400", "checkpoint={dir: ck, every_steps: 10, keep: 2}")
 """
 
 from __future__ import annotations
@@ -29,6 +35,30 @@ model: {kind: mlp, hidden: [16]}
 optimizer: {name: Adam, lr: 0.01}
 train: {steps: 40, log_every: 10}
 """)
+_PS_SOURCE = yaml.safe_load("""\
+strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
+dataset:
+  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
+  holdout: 0.25
+  steps:
+    - {op: shuffle, buffer: 256}
+    - {op: batch, size: 32}
+model: {kind: mlp, hidden: [16]}
+optimizer: {name: SGD, lr: 0.05}
+train: {steps: 40, log_every: 10}
+""")
+# the tables' jobs: a user's model of embedding tables (ranker.py, the test's own) trained
+# with Adagrad on 512 examples of 6 features
+TABLE_JOB = ("dataset.source.examples=512", "dataset.source.features=6",
+             "dataset.steps.0.buffer=512", 'model={kind: import, target: "ranker:Ranker"}',
+             "optimizer={name: Adagrad, lr: 0.1}")
+
+
+def ps_config(*overrides: str) -> str:
+    """The parameter-server jobs' shared config with ``overrides`` applied (as
+    :func:`tiny_config`'s), as YAML text: a job of ``kind: parameter_server`` whose
+    tasks come from ``TF_CONFIG`` or ``csrun launch``, one CPU replica per worker."""
+    return _derived(_PS_SOURCE, overrides)
 
 
 def tiny_config(*overrides: str) -> str:
@@ -40,7 +70,11 @@ def tiny_config(*overrides: str) -> str:
 
     Example: ``tiny_config("train={epochs: 2}")`` trains two epochs instead of 40 steps.
     """
-    data = copy.deepcopy(_SOURCE)
+    return _derived(_SOURCE, overrides)
+
+
+def _derived(source: dict, overrides: tuple[str, ...]) -> str:
+    data = copy.deepcopy(source)
     for override in overrides:
         key, is_set, value = override.partition("=")
         if bool(is_set) == key.startswith("~"):

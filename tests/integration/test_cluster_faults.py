@@ -28,19 +28,13 @@ from csrun.core.cluster.server import ParameterServer
 from csrun.core.cluster.plan import Shard
 from csrun.core.cluster.transport import ClusterMismatch
 from csrun.core.runner.launch import free_ports
+from tests.helpers.tiny_config import ps_config
 
 pytestmark = pytest.mark.process  # cluster tasks as csrun processes
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: TIMEOUT}
-dataset:
-  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
-  steps:
-    - {op: batch, size: 32}
-model: {kind: mlp, hidden: [16]}
-optimizer: {name: SGD, lr: 0.05}
-train: {steps: 100000, log_every: 10}
-"""
+def job_config(timeout: float) -> str:
+    return ps_config(f"strategy.timeout_s={timeout}", "~dataset.holdout",
+                     "dataset.steps=[{op: batch, size: 32}]", "train.steps=100000")
 
 
 class Task:
@@ -50,7 +44,7 @@ class Task:
                  *overrides: str):
         self.name = f"{job}:{index}"
         config = folder / "c.yaml"
-        config.write_text(CONFIG.replace("TIMEOUT", str(timeout)))
+        config.write_text(job_config(timeout))
         env = {k: v for k, v in os.environ.items() if k != "CSRUN_TRACEBACK"}
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job,
                                                                      "index": index}})

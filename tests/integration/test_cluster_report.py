@@ -10,20 +10,12 @@ import pytest
 
 from csrun.core.runner.launch import free_ports
 from tests.helpers.cluster_tasks import ClusterTasks
+from tests.helpers.tiny_config import ps_config
 
 pytestmark = pytest.mark.process  # cluster tasks as csrun processes
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
-dataset:
-  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
-  steps:
-    - {op: shuffle, buffer: 256}
-    - {op: batch, size: 32}
-model: {kind: mlp, hidden: [16]}
-optimizer: {name: SGD, lr: 0.05}
-train: {steps: STEPS, log_every: 10}
-"""
+def config(steps: int) -> str:
+    return ps_config("~dataset.holdout", f"train.steps={steps}")
 
 
 SLOW_MLP = """\
@@ -47,7 +39,7 @@ class Job(ClusterTasks):
     """A chief, a worker and a ps as `csrun train` processes with their TF_CONFIG."""
 
     def __init__(self, folder: Path, steps: int):
-        (folder / "c.yaml").write_text(CONFIG.replace("STEPS", str(steps)))
+        (folder / "c.yaml").write_text(config(steps))
         ports = free_ports(3)
         super().__init__(folder, {"chief": [f"127.0.0.1:{ports[0]}"],
                                   "worker": [f"127.0.0.1:{ports[1]}"],

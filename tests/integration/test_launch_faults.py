@@ -19,22 +19,12 @@ import pytest
 import torch
 
 from csrun.core.runner.checkpoint import CheckpointManager
+from tests.helpers.tiny_config import ps_config
 
 pytestmark = pytest.mark.process  # csrun launch and its tasks
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0]}
-dataset:
-  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 256}
-    - {op: batch, size: 32}
-model: {kind: mlp, hidden: [16]}
-optimizer: {name: SGD, lr: 0.05, kwargs: {momentum: 0.9}}
-train: {steps: 400, log_every: 10}
-checkpoint: {dir: ck, every_steps: 10, keep: 2}
-"""
+CONFIG = ps_config("~strategy.timeout_s", "optimizer.kwargs={momentum: 0.9}",
+                   "train.steps=400", "checkpoint={dir: ck, every_steps: 10, keep: 2}")
 
 
 class Launch:

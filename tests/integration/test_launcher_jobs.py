@@ -15,20 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.tiny_config import ps_config
+
 pytestmark = pytest.mark.process  # jobs under launchers
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0], num_ps: 1, timeout_s: 60}
-dataset:
-  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 256}
-    - {op: batch, size: 32}
-model: {kind: mlp, hidden: [16]}
-optimizer: {name: SGD, lr: 0.05, kwargs: {momentum: 0.9}}
-train: {steps: 40, log_every: 20}
-"""
+CONFIG = ps_config("strategy.num_ps=1", "optimizer.kwargs={momentum: 0.9}",
+                   "train.log_every=20")
 TRAIN = [sys.executable, "-m", "csrun.cli", "train", "c.yaml", "--json", "r-{task}.json"]
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from csrun.core.runner.launch import free_ports
 from tests.helpers.cluster_tasks import ClusterTasks
+from tests.helpers.tiny_config import ps_config
 
 _NETNS = Path(__file__).resolve().parents[2] / "benchmarks" / "netns.py"
 _spec = importlib.util.spec_from_file_location("csrun_bench_netns", _NETNS)
@@ -25,18 +26,8 @@ _spec.loader.exec_module(netns)
 
 pytestmark = pytest.mark.process  # tasks in network namespaces
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
-dataset:
-  source: {kind: synthetic, examples: 256, features: 8, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 256}
-    - {op: batch, size: 32}
-model: {kind: mlp, hidden: [16]}
-optimizer: {name: SGD, lr: 0.05, kwargs: {momentum: 0.9}}
-train: {steps: STEPS, log_every: 10}
-"""
+def config(steps: int) -> str:
+    return ps_config("optimizer.kwargs={momentum: 0.9}", f"train.steps={steps}")
 
 
 @pytest.fixture
@@ -59,7 +50,7 @@ class Job(ClusterTasks):
 
     def __init__(self, folder: Path, addresses: list[str], place, steps: int):
         folder.mkdir(exist_ok=True)
-        (folder / "c.yaml").write_text(CONFIG.replace("STEPS", str(steps)))
+        (folder / "c.yaml").write_text(config(steps))
         super().__init__(folder, {"ps": [addresses[0]], "worker": addresses[1:]})
         self.place, self.steps = place, steps
 
@@ -134,12 +125,9 @@ class Ranker(torch.nn.Module):
     def forward(self, x):
         return self.head(self.a((x.abs() * 977).long() % 20000))
 """
-TABLES = CONFIG.replace("model: {kind: mlp, hidden: [16]}",
-                        "model: {kind: import, target: 'ranker:Ranker'}").replace(
-    "optimizer: {name: SGD, lr: 0.05, kwargs: {momentum: 0.9}}",
-    "optimizer: {name: Adagrad, lr: 0.1}").replace(
-    "compute_devices: [CPU:0],", "compute_devices: [CPU:0], variable_partitioner: "
-    "{kind: fixed, num_shards: 3},")
+TABLES = ps_config("strategy.variable_partitioner={kind: fixed, num_shards: 3}",
+                   "model={kind: import, target: 'ranker:Ranker'}",
+                   "optimizer={name: Adagrad, lr: 0.1}", "train.steps=30")
 
 
 class TableJob(ClusterTasks):
@@ -147,7 +135,7 @@ class TableJob(ClusterTasks):
 
     def __init__(self, folder: Path, addresses: list[str], place):
         folder.mkdir(exist_ok=True)
-        (folder / "c.yaml").write_text(TABLES.replace("STEPS", "30"))
+        (folder / "c.yaml").write_text(TABLES)
         (folder / "ranker.py").write_text(RANKER)
         super().__init__(folder, {"ps": addresses[:2], "worker": addresses[2:]})
         self.place = place

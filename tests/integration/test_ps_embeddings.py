@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from csrun.core import (CentralStorageStrategy, FixedShardsPartitioner, MinSizePartitioner,
                         ParameterServerStrategy, StrategyOptions)
+from csrun.core.cluster.shards import HeldShards
+from csrun.core.cluster.transport import Gathered, ParameterServerError
 from tests.helpers.ps_cluster import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -141,6 +143,25 @@ def test_a_lookup_outside_the_table_fails_like_torchs():
         with pytest.raises(Exception, match="index out of range in self: Embedding has 5 "
                                             "rows, the input holds row 7"):
             cluster.strategy.run(lambda i: model(i).sum(), args=(torch.tensor([1, 7]),))
+
+
+def test_a_ps_answering_fewer_rows_than_asked_is_named_not_the_model(monkeypatch):
+    """A short reply must neither shift the rows of a lookup nor surface as a shape
+    error in the user's forward: the worker names the ps and both counts."""
+    answer = HeldShards.lookup
+
+    def short(self, meta, ids):  # a row of 2 values short
+        part = answer(self, meta, ids)[0]
+        return [(part.tensor() if isinstance(part, Gathered) else part)[:-2]]
+    with Cluster(1) as cluster:
+        with cluster.strategy.scope():
+            model = torch.nn.Embedding(5, 2)
+        model.state_dict()  # registered, read whole while the ps answers right
+        monkeypatch.setattr(HeldShards, "lookup", short)
+        with pytest.raises(ParameterServerError, match=r"^ps:0 \(127\.0\.0\.1:\d+\) "
+                           r"answered a lookup of 2 table rows \(4 torch\.float32 values\) "
+                           r"with 2 torch\.float32 values; is every task"):
+            cluster.strategy.run(lambda i: model(i).sum(), args=(torch.tensor([1, 3]),))
 
 
 @pytest.mark.parametrize("shards", [1, 2, 5])

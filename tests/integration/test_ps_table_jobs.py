@@ -13,6 +13,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.helpers.tiny_config import TABLE_JOB, ps_config
+
 pytestmark = pytest.mark.process  # csrun launch starts the tasks
 
 RANKER = """\
@@ -34,18 +36,14 @@ class Ranker(torch.nn.Module):
         return self.head(torch.cat([self.a(ids[:, 0]), self.b(ids[:, 1:])], 1))
 """
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 60}
-dataset:
-  source: {kind: synthetic, examples: 512, features: 6, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 512}
-    - {op: batch, size: 32}
-model: {kind: import, target: "ranker:Ranker"}
-optimizer: {name: Adagrad, lr: 0.1}
-train: {steps: 30, log_every: 10}
-"""
+
+def table_job(*overrides: str) -> str:
+    """The tables' job: 30 steps of the Ranker, with ``overrides``."""
+    return ps_config(*TABLE_JOB, "train.steps=30", *overrides)
+
+
+CONFIG = table_job()
+CENTRAL = "strategy={kind: central_storage, compute_devices: [CPU:0]}"  # the same, unclustered
 
 
 def launch(folder: Path, *args: str, config: str = CONFIG, timeout: float = 240):
@@ -107,10 +105,8 @@ def test_one_workers_job_ends_the_same_whatever_the_sharding_and_as_central_stor
         weights.append(safetensors.torch.load_file(folder / "ckpt" / "model.safetensors"))
     assert digests[0] == digests[1]
     assert weights[0]["a.weight"].shape == (5000, 8)  # the model's own keys and shapes
-    central = CONFIG.replace("{kind: parameter_server, compute_devices: [CPU:0], "
-                             "timeout_s: 60}", "{kind: central_storage, "
-                             "compute_devices: [CPU:0]}")
-    done = launch(tmp_path / "central", "train", "c.yaml", *EXPORT, config=central)
+    done = launch(tmp_path / "central", "train", "c.yaml", *EXPORT,
+                  config=table_job(CENTRAL))
     assert done.returncode == 0, done.stdout + done.stderr
     expected = safetensors.torch.load_file(tmp_path / "central" / "ckpt" /
                                            "model.safetensors")
@@ -165,8 +161,7 @@ def test_a_completed_jobs_last_checkpoint_holds_a_slow_workers_last_updates(tmp_
     folder = tmp_path / "job"
     folder.mkdir()
     (folder / "slow.py").write_text(SLOW)
-    config = CONFIG.replace('model: {kind: import, target: "ranker:Ranker"}',
-                            'model: {kind: import, target: "slow:Slow"}')
+    config = table_job('model={kind: import, target: "slow:Slow"}')
     done = launch(folder, "launch", "c.yaml", "--workers", "2", "--ps", "1",
                   "checkpoint={dir: ckpt, every_steps: 10}", config=config, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -206,19 +201,13 @@ def test_a_users_optimizer_subclass_from_the_config_runs_as_itself_on_the_ps(tmp
     """optimizer.target names a subclass: every task imports it while checking the
     config, so the ps builds it (not torch's SGD); one worker's job then ends on
     central storage's values."""
-    target = 'optimizer: {target: "halved:HalvedSGD", lr: 0.1}'
-    config = CONFIG.replace("optimizer: {name: Adagrad, lr: 0.1}", target) \
-        .replace("train: {steps: 30", "train: {steps: 8")
-    central = config.replace("{kind: parameter_server, compute_devices: [CPU:0], "
-                             "timeout_s: 60}", "{kind: central_storage, "
-                             "compute_devices: [CPU:0]}")
+    halved = ('optimizer={target: "halved:HalvedSGD", lr: 0.1}', "train.steps=8")
+    plain = ("optimizer={name: SGD, lr: 0.1}", "train.steps=8")
     weights = {}
-    for name, text, args in [("ps", config, ("launch", "c.yaml", "--workers", "1", "--ps",
-                                            "1")),
-                             ("central", central, ("train", "c.yaml")),
-                             ("plain", central.replace(target, "optimizer: {name: SGD, "
-                                                               "lr: 0.1}"),
-                              ("train", "c.yaml"))]:
+    for name, text, args in [("ps", table_job(*halved),
+                              ("launch", "c.yaml", "--workers", "1", "--ps", "1")),
+                             ("central", table_job(*halved, CENTRAL), ("train", "c.yaml")),
+                             ("plain", table_job(*plain, CENTRAL), ("train", "c.yaml"))]:
         folder = tmp_path / name
         folder.mkdir()
         (folder / "halved.py").write_text(HALVED)

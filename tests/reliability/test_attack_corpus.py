@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from csrun.cli.main import app
 from tests.helpers.cli import child_env, csrun_command
-from tests.helpers.tiny_config import TINY
+from tests.helpers.tiny_config import TINY, ps_config
 
 SMALL = TINY.replace("train: {steps: 40, log_every: 10}",
                      "train: {steps: 2, log_every: 1}\n"
@@ -289,19 +289,11 @@ def hang_prefetch_of_2_63_with_loader_workers(a):
 
 
 # == orphan ==================================================================================
-PS = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0]}
-dataset:
-  source: {kind: synthetic, examples: 128, features: 6, classes: 3}
-  holdout: 0
-  steps:
-    - {op: shuffle, buffer: 128}
-    - {op: batch, size: 16}
-model: {kind: mlp, hidden: [8]}
-optimizer: {name: SGD, lr: 0.05}
-train: {steps: 100000000, log_every: 100}
-checkpoint: {dir: ck, every_steps: 1000, keep: 1}
-"""
+PS = ps_config("~strategy.timeout_s", "dataset.source.examples=128",
+               "dataset.source.features=6", "dataset.holdout=0", "dataset.steps.0.buffer=128",
+               "dataset.steps.1.size=16", "model.hidden=[8]",
+               "train={steps: 100000000, log_every: 100}",
+               "checkpoint={dir: ck, every_steps: 1000, keep: 1}")
 
 
 def _launched(a):

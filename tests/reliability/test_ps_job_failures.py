@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.tiny_config import TABLE_JOB, ps_config
+
 pytestmark = pytest.mark.process  # csrun launch and its tasks
 
 RANKER = """\
@@ -55,19 +57,9 @@ def loss(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y, reduction="none")
 """
 
-CONFIG = """\
-strategy: {kind: parameter_server, compute_devices: [CPU:0], timeout_s: 30}
-dataset:
-  source: {kind: synthetic, examples: 512, features: 6, classes: 3}
-  holdout: 0.25
-  steps:
-    - {op: shuffle, buffer: 512}
-    - {op: batch, size: 32}
-model: {kind: import, target: "ranker:Ranker"}
-optimizer: {name: Adagrad, lr: 0.1}
-train: {steps: 100000, log_every: 5}
-checkpoint: {dir: ck, every_steps: 5, keep: 2}
-"""
+CONFIG = ps_config(*TABLE_JOB, "strategy.timeout_s=30",
+                   "train={steps: 100000, log_every: 5}",
+                   "checkpoint={dir: ck, every_steps: 5, keep: 2}")
 
 TASKS = ("ps:0", "ps:1", "worker:0", "worker:1")
 

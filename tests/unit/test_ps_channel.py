@@ -1,7 +1,9 @@
 """A ps channel's messages, over a real gloo pair in one process: a message up to
 PACK_BYTES is one gloo send, its header and parts packed, each tensor copied once into
 it (table rows gathered straight into it); a larger one is its header and a send per
-part, none copied; the receiver's parts are views of what it received."""
+part, none copied; the receiver's parts are views of what it received. A header that
+is malformed or claims more than the channel's limit is refused before anything is
+allocated for it (fed through an in-memory wire, as a hostile or garbled peer's)."""
 
 import datetime
 import threading
@@ -26,8 +28,8 @@ def pair():
 
     def make(rank):
         mine = dist.TCPStore("127.0.0.1", port, is_master=False)
-        made[rank] = Channel(mine, "test", rank, datetime.timedelta(seconds=30),
-                             transport.gloo_device("127.0.0.1"))
+        made[rank] = Channel.connect(mine, "test", rank, datetime.timedelta(seconds=30),
+                                     transport.gloo_device("127.0.0.1"))
     threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     for thread in threads:
         thread.start()
@@ -76,20 +78,62 @@ def test_a_message_larger_than_pack_bytes_goes_by_parts_uncopied(pair, monkeypat
     assert [name for name, _ in ops.touched if name in COPIES] == []
 
 
-def test_a_malformed_header_is_refused_before_anything_is_made(pair):
-    ps, worker = pair
-    header = torch.zeros(transport._HEADER, dtype=torch.int64)
-    header[0], header[1] = 2, (1 << 32) | 1  # packed, one part
-    header[2], header[3] = 0, 1 << 40  # float32, 4 TiB
-    got = {}
+class Wire:
+    """A process group's ``send`` and ``recv`` in memory: each ``recv`` takes the next of
+    ``incoming`` (what a peer sent: a header's bytes, a part) into its buffer."""
 
-    def receive():
-        try:
-            ps.recv()
-        except RuntimeError as exc:
-            got["error"] = str(exc)
-    thread = threading.Thread(target=receive)
-    thread.start()
-    worker._pg.send([header], 0, 0).wait()
-    thread.join(60)
-    assert got["error"].startswith("a malformed message: its header claims 4398046511104")
+    def __init__(self, *incoming: torch.Tensor):
+        self.incoming = list(incoming)
+
+    def recv(self, tensors, peer, tag):
+        data = self.incoming.pop(0).view(-1).view(torch.uint8)
+        tensors[0].view(-1).view(torch.uint8)[:data.numel()].copy_(data)
+        return self
+
+    def wait(self):
+        return True
+
+
+def _header(op: int, parts: list[tuple[int, int]], packed: bool) -> torch.Tensor:
+    """A header as a peer would send it: ``parts`` as (dtype code, size)."""
+    fields = [op, len(parts) | ((1 << 32) if packed else 0)]
+    for code, size in parts:
+        fields += [code, size]
+    return torch.tensor(fields + [0] * (transport._HEADER - len(fields)), dtype=torch.int64)
+
+
+def _refused(channel: Channel) -> tuple[str, OpCount]:
+    ops = OpCount()
+    with ops.counting(), pytest.raises(RuntimeError) as refused:
+        channel.recv()
+    return str(refused.value), ops
+
+
+def test_a_malformed_header_is_refused_before_anything_is_made():
+    float32 = transport._CODE[torch.float32]
+    wire = Wire(_header(2, [(float32, 1 << 40)], packed=True))  # 4 TiB "packed"
+    error, ops = _refused(Channel(wire, 0))
+    assert error.startswith("a malformed message: its header claims 4398046511104")
+    assert ops.ops["empty"] == 1  # the receive buffer alone
+
+
+def test_a_header_claiming_more_than_the_hosts_memory_is_refused_unallocated():
+    """An unpacked message's parts are allocated as its header says: a claim above the
+    host's memory (the default limit) is refused before any is."""
+    float32 = transport._CODE[torch.float32]
+    wire = Wire(_header(2, [(float32, 1 << 40)], packed=False))
+    error, ops = _refused(Channel(wire, 0))
+    assert error.startswith("a message of 4398046511104 bytes, as its header says, is "
+                            "more than this host's memory (")
+    assert ops.ops["empty"] == 1  # the receive buffer alone, no 4 TiB part
+
+
+def test_the_limit_bounds_a_messages_parts_together():
+    """Two parts of 52 bytes are refused under a 100-byte limit (each alone would fit);
+    25 float32 (100 bytes) are received."""
+    float32 = transport._CODE[torch.float32]
+    error, ops = _refused(Channel(Wire(_header(2, [(float32, 13)] * 2, False)), 0, 100))
+    assert "a message of 104 bytes" in error and ops.ops["empty"] == 1
+    part = torch.arange(25.0)
+    op, parts = Channel(Wire(_header(3, [(float32, 25)], False), part), 0, 100).recv()
+    assert op == 3 and torch.equal(parts[0], part)
