@@ -33,18 +33,17 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from . import torch_internals
 from .torch_internals import OpOverload, op_takes_generator
 
-__all__ = ["ReplicaRandom", "RunSeed", "replica_seed", "global_state", "get_rng_state",
-           "set_rng_state"]
+__all__ = ["ReplicaRandom", "RunSeed", "replica_seed", "global_state", "Fingerprint",
+           "get_rng_state", "set_rng_state"]
 
 _MASK64 = (1 << 64) - 1
 
 
-# The global CPU generator's state, as bytes to compare (twice a watched run): bound, so
-# a run pays no call of its own for it.
-# The global CPU generator's fingerprint: equal exactly while nothing draws from it (or
-# reseeds it); compared, never restored or looked into
+# The global CPU generator's fingerprint (torch_internals.generator_fingerprint): equal
+# while nothing draws from it or reseeds it; only ever compared with another. Bound, so a
+# run pays no call of its own for it.
 global_state = torch_internals.generator_fingerprint
-Fingerprint = object
+Fingerprint = object  # what global_state() gives: a tuple or bytes, compared with ==
 _dynamo_tracing = torch_internals.dynamo_tracing
 
 

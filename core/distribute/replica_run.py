@@ -729,11 +729,11 @@ class ExecutionPolicy:
         """The global state before this run. While replicas run in order and nothing
         drew between the last runs (``QUIET_RUNS`` in a row), a disarmed watch takes it
         to be the state the last run ended with, and reads the generator once a run, not
-        twice (~0.3 µs each; ~5 where torch_internals must copy the whole state). Found
-        moved, the move is not judged (the user's code between the runs may have
-        drawn): the watch reads both ends again from the next run, which sees a replica that draws. In order, replicas drawing from the
-        global generator one run longer still repeat bit for bit; concurrent runs read
-        both ends every run."""
+        twice (~0.2 µs each; ~5 where torch_internals must copy the whole state).
+        Found moved, the move is not judged (the user's code between the runs may have
+        drawn): the watch reads both ends again from the next run, which sees a replica
+        that draws. In order, replicas drawing from the global generator one run longer
+        still repeat bit for bit; concurrent runs read both ends every run."""
         if snapshot is not _SINCE_LAST:
             if snapshot is not None and self._random is not None and not self._armed:
                 self._quiet = self._quiet + 1 if snapshot == self._last_state else 0

@@ -174,8 +174,9 @@ def test_a_model_that_starts_drawing_later_gets_its_streams_back(execution):
 
 
 def test_a_watched_run_reads_the_global_state_twice(monkeypatch):
-    """Once before and once after: the after-run checks share one read (each is ~5 µs,
-    a tenth of an empty run's cost; three were made before)."""
+    """Once before and once after: the after-run checks share one read (each was ~5 µs,
+    a fifth of an empty run's cost, before the watch read torch's C++ generator in place;
+    three were made before that)."""
     from csrun.core.distribute import replica_random, replica_run
     strategy = _strategy(2)
     x = torch.ones(4, 8)

@@ -378,13 +378,27 @@ def test_generator_fingerprint():
     g = torch.Generator()
     assert ti._tracks_the_state(lambda: ti._state_fingerprint(g), g)
     assert not ti._tracks_the_state(lambda: ti._state_fingerprint(g)[:32], g)  # no cache
-    assert not ti._tracks_the_state(lambda: ti._state_fingerprint(g)[8:24], g)  # no wrap
+    assert not ti._tracks_the_state(lambda: (lambda s: s[:24] + s[32:])(
+        ti._state_fingerprint(g)), g)  # no first word: a wrap goes unseen
 
 
 def test_the_generator_watch_falls_back_where_the_fields_are_not_found(monkeypatch):
     """No fields found in the C++ generator: get_state()'s; those failing too: the
     whole state."""
     assert isinstance(ti._watch_fingerprint(), functools.partial)
+    real = ti._memory_fingerprint
+    with monkeypatch.context() as patch:  # the global generator read elsewhere than found
+        patch.setattr(ti, "_memory_fingerprint", lambda generator, start: real(
+            generator, start) if generator is not torch.default_generator else lambda: ())
+        assert ti._watch_fingerprint() is ti._state_fingerprint
+    with monkeypatch.context() as patch:
+        patch.setattr(ti, "_CPU_STATE_SIZE", 4)  # a state layout csrun does not know
+        assert ti._watch_fingerprint() is ti.generator_state_bytes
+    with monkeypatch.context() as patch:
+        patch.setattr(ti, "_probe_generator", lambda: 1 / 0)  # a torch unlike these
+        assert ti._watch_fingerprint() is ti.generator_state_bytes
+    with torch.device("meta"):  # the probe's ops stay on the CPU
+        assert isinstance(ti._watch_fingerprint(), functools.partial)
     monkeypatch.setattr(ti, "_engine_fields_at", lambda generator: None)
     assert ti._watch_fingerprint() is ti._state_fingerprint
     monkeypatch.setattr(ti, "_tracks_the_state", lambda read, g: False)
