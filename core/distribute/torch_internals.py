@@ -376,14 +376,12 @@ _STATE_ARRAYS: dict = {}  # state size -> the ctypes array type read over it
 # position with another double sample cached (seed; rand(4); randn() against seed;
 # randn(); rand(4)).
 _CPU_STATE_SIZE, _HEAD_SIZE, _TAIL_AT = 5056, 32, 5016
-_Head, _Tail = ctypes.c_char * _HEAD_SIZE, ctypes.c_char * (_CPU_STATE_SIZE - _TAIL_AT)
 
 
 def _state_fingerprint(generator: torch.Generator = torch.default_generator) -> bytes:
-    """Those fields, through ``get_state()`` (a 5 KB tensor each read)."""
-    state = generator.get_state()  # held: its memory is read below
-    at = state.data_ptr()
-    return _Head.from_address(at).raw + _Tail.from_address(at + _TAIL_AT).raw
+    """Those fields, cut from the whole state (the fallback of the read below)."""
+    state = generator_state_bytes(generator)
+    return state[:_HEAD_SIZE] + state[_TAIL_AT:]
 
 
 # The same fields read where the C++ generator keeps them: get_state() allocates and
