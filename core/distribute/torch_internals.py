@@ -376,6 +376,8 @@ _STATE_ARRAYS: dict = {}  # state size -> the ctypes array type read over it
 # position with another double sample cached (seed; rand(4); randn() against seed;
 # randn(); rand(4)).
 _CPU_STATE_SIZE, _HEAD_SIZE, _TAIL_AT = 5056, 32, 5016
+# in the state's tail: the double sample, its valid flag (an int), the float sample
+_DOUBLE_AT, _DOUBLE_VALID_AT, _FLOAT_AT = 5024, 5040, 5048
 
 
 def _state_fingerprint(generator: torch.Generator = torch.default_generator) -> bytes:
@@ -395,6 +397,7 @@ def _state_fingerprint(generator: torch.Generator = torch.default_generator) -> 
 # torch.compile's tracing does) would read as moved.
 _PROBE = (0x5EED_CAFE_F00D_1234, 123, 1, 456, 0xDEADBEEF, 1.75, 3.25)
 _ENGINE_FIELDS = struct.Struct("<QiB3xII2492x4x4xB3x8xB")  # seed .. double sample's flag
+_SAMPLES_AT = 2520  # the float sample's value, then the double's at +8 (skipped above)
 
 
 def _probe_generator() -> torch.Generator:
@@ -402,9 +405,9 @@ def _probe_generator() -> torch.Generator:
     seed, left, seeded, at, word, single, double = _PROBE
     state = bytearray(generator_state_bytes(g))
     struct.pack_into("<QiiQQ", state, 0, seed, left, seeded, at, word)
-    struct.pack_into("<d", state, 5024, double)
-    struct.pack_into("<i", state, 5040, 1)
-    struct.pack_into("<f?", state, 5048, single, True)
+    struct.pack_into("<d", state, _DOUBLE_AT, double)
+    struct.pack_into("<i", state, _DOUBLE_VALID_AT, 1)
+    struct.pack_into("<f?", state, _FLOAT_AT, single, True)
     g.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
     return g
 
@@ -418,7 +421,7 @@ def _engine_fields_at(generator: torch.Generator) -> int | None:
         return None
     found = _ENGINE_FIELDS.unpack_from(
         (ctypes.c_char * _ENGINE_FIELDS.size).from_address(generator._cdata + start))
-    values = (ctypes.c_char * 16).from_address(generator._cdata + start + 2520).raw
+    values = (ctypes.c_char * 16).from_address(generator._cdata + start + _SAMPLES_AT).raw
     if values[:4] != struct.pack("<f", single) or values[8:] != struct.pack("<d", double):
         return None  # the samples are not where their flags are read
     return start if found == (seed, left, seeded, at, word, 1, 1) else None
